@@ -1,0 +1,36 @@
+"""Argument checks shared by the public functions: each error names the parameter and its range."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_float_tensor(name: str, x: object, min_dim: int = 0, ndim: int | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
+        kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name}: must be a floating-point torch.Tensor, got {kind}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: must have {ndim} dims, got shape {tuple(x.shape)}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name}: must have at least {min_dim} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_int_range(name: str, value: object, low: int, high: int | None = None) -> int:
+    bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        raise ValueError(f"{name}: must be an int in {bound}, got {value!r}")
+    return value
+
+
+def check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name}: contains NaN or Inf")

@@ -1,0 +1,77 @@
+"""Weighted attention (Alg. 3) on plain tensors: the PyTorch reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvcompress._checks import check_float_tensor, check_int_range, check_positive
+
+
+def weighted_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    v_min: torch.Tensor | None = None,
+    v_max: torch.Tensor | None = None,
+    causal_offset: int | None = None,
+) -> torch.Tensor:
+    """WtdAttn (Alg. 3): ``clip(sum_l e^{s_l} v_l / sum_l e^{s_l} w_l, v_min, v_max)``, ``s_l = beta <q, k_l>``.
+
+    queries ``[b, h_q, m, d]``; keys ``[b, h_kv, n, d]``; values ``[b, h_kv, n, d_v]``; weights
+    ``[b, h_kv, n]``; ``h_q`` a multiple of ``h_kv`` (GQA: query head j reads KV head j // (h_q / h_kv)).
+    ``v_min`` / ``v_max``: optional ``[b, h_kv, d_v]`` clip range. Where the denominator is <= 0 the
+    output is 0 before clipping. ``causal_offset=c``: query i may attend key j only if j <= c + i.
+    Accumulates in float32 (float64 for float64 inputs); returns ``values.dtype``, ``[b, h_q, m, d_v]``.
+    """
+    check_float_tensor("queries", queries, ndim=4)
+    check_float_tensor("keys", keys, ndim=4)
+    check_float_tensor("values", values, ndim=4)
+    check_float_tensor("weights", weights, ndim=3)
+    batch, heads_q, m, dim = queries.shape
+    _, heads_kv, n, _ = keys.shape
+    for name, x in (("keys", keys), ("values", values)):
+        if x.dtype != queries.dtype or x.device != queries.device:
+            raise ValueError(f"{name}: dtype/device must match queries ({queries.dtype}, {queries.device})")
+    if keys.shape[0] != batch or keys.shape[-1] != dim:
+        raise ValueError(f"keys: shape {tuple(keys.shape)} must be [{batch}, h_kv, n, {dim}]")
+    if values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"values: shape {tuple(values.shape)} must be [{batch}, {heads_kv}, {n}, d_v]")
+    if weights.shape != keys.shape[:3]:
+        raise ValueError(f"weights: shape {tuple(weights.shape)} must be {tuple(keys.shape[:3])}")
+    if heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"queries: h_q={heads_q} must be a multiple of the key heads h_kv={heads_kv}")
+    d_v = values.shape[-1]
+    for name, bound in (("v_min", v_min), ("v_max", v_max)):
+        if bound is not None:
+            check_float_tensor(name, bound, ndim=3)
+            if bound.shape != (batch, heads_kv, d_v):
+                raise ValueError(f"{name}: shape {tuple(bound.shape)} must be {(batch, heads_kv, d_v)}")
+    scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
+    if causal_offset is not None:
+        check_int_range("causal_offset", causal_offset, 0)
+
+    compute = torch.float64 if torch.float64 in (queries.dtype, weights.dtype) else torch.float32
+    group = heads_q // heads_kv
+    q = queries.to(compute).reshape(batch, heads_kv, group * m, dim)
+    logits = scaling * (q @ keys.to(compute).transpose(-1, -2))  # [b, h_kv, g*m, n]
+    if causal_offset is not None:
+        rows = torch.arange(m, device=queries.device).repeat(group)
+        allowed = torch.arange(n, device=queries.device)[None, :] <= causal_offset + rows[:, None]
+        logits = logits.masked_fill(~allowed, -math.inf)
+    # Subtract the row max (it cancels); a row with no visible key has max -inf and gets output 0.
+    row_max = logits.amax(-1, keepdim=True)
+    probs = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0.0))
+    numerator = probs @ values.to(compute)
+    denominator = probs @ weights.to(compute).unsqueeze(-1)
+    positive = denominator > 0
+    out = torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
+    if v_min is not None:
+        out = torch.maximum(out, v_min.to(compute).unsqueeze(2))
+    if v_max is not None:
+        out = torch.minimum(out, v_max.to(compute).unsqueeze(2))
+    return out.reshape(batch, heads_q, m, d_v).to(values.dtype)

@@ -1,0 +1,281 @@
+"""CompressKV on plain tensors: Lambert W0, the temperature of eq. (12), RPNys (Alg. 1), Alg. 2.
+
+Reference implementation in PyTorch. Everything is batched over leading dimensions and bins; the
+only Python loop is over the pivot steps of Alg. 1, which are sequential by nature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress import rng
+from kvcompress._checks import check_finite, check_float_tensor, check_int_range, check_positive
+
+# Residual diagonal of the Gaussian kernel (its diagonal is 1) below which a bin counts as exhausted.
+_EXHAUSTED = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def lambert_w0(z: torch.Tensor, iterations: int = 8) -> torch.Tensor:
+    """Principal branch W0 for z >= 0, elementwise (Loczi's iteration, App. L, Thm. L.1).
+
+    The error after n steps is below max(0.32^(2^n), 0.633^(2^n) / 3); 8 steps reach float64 precision.
+    Returns the dtype of ``z`` (computed in float64 for float32 and lower).
+    """
+    if not torch.is_floating_point(z):
+        z = z.to(torch.get_default_dtype())
+    if bool((z < 0).any()) or bool(torch.isnan(z).any()):
+        raise ValueError("lambert_w0: z must be >= 0 (this implementation covers the range [0, inf))")
+    work = z.to(torch.float64)
+    tiny = work < 1e-300
+    safe = torch.where(tiny, torch.ones_like(work), work)
+    log_z = torch.log(safe)
+    w = torch.where(safe > math.e, log_z - torch.log(log_z.clamp_min(1e-300)), safe / math.e)
+    for _ in range(iterations):
+        w = w / (1 + w) * (1 + log_z - torch.log(w))
+    w = torch.where(torch.isinf(work), work, w)
+    return torch.where(tiny, work, w).to(z.dtype)
+
+
+# rho_0 of eq. (12): sqrt(1 + exp(W0(2 / e^2) + 2)) ~= 3.19.
+RHO0 = math.sqrt(1 + math.exp(float(lambert_w0(torch.tensor(2 / math.e**2, dtype=torch.float64))) + 2))
+
+
+def temperature(
+    scaling: float | torch.Tensor,
+    query_radius: float | torch.Tensor,
+    key_radius: float | torch.Tensor,
+    n: int | torch.Tensor,
+) -> torch.Tensor:
+    """Temperature tau of eq. (12), elementwise over broadcastable float64 tensors.
+
+    tau = sqrt(R_K / R_Q * b0 / (2 W0(b0 / (2 rho0)))),  b0 = log(n) / (beta R_Q R_K) + 2.
+    Requires beta, R_Q, R_K > 0 and n >= 1.
+    """
+    beta, r_q, r_k, n_ = (torch.as_tensor(x, dtype=torch.float64) for x in (scaling, query_radius, key_radius, n))
+    b0 = torch.log(n_) / (beta * r_q * r_k) + 2
+    return torch.sqrt(r_k / r_q * b0 / (2 * lambert_w0(b0 / (2 * RHO0))))
+
+
+def kernel_coefficient(
+    scaling: torch.Tensor, query_radius: torch.Tensor, key_radius: torch.Tensor, n: torch.Tensor
+) -> torch.Tensor:
+    """a = beta / tau^2, the coefficient of the RPNys kernel exp(a <x, y>), float64.
+
+    A bin whose recentred keys are all zero (R_K = 0) gets a = 0: its kernel is constant either way.
+    """
+    flat = key_radius <= 0
+    tau = temperature(scaling, query_radius, torch.where(flat, torch.ones_like(key_radius), key_radius), n)
+    return torch.where(flat, torch.zeros_like(tau), scaling / tau**2)
+
+
+@dataclass
+class RPNysResult:
+    """Output of :func:`rpnys` for inputs ``[..., L, d]`` and ``rank`` pivots.
+
+    pivots:  ``[..., rank]`` int64 row indices in selection order; -1 for inert rows (residual exhausted).
+    weights: ``[..., rank, L]`` Nystrom weights ``W = h(K_S, K_S)^-1 h(K_S, K)`` of the kernel
+             ``h(x, y) = exp(a <x, y>)``; inert rows are 0.
+    """
+
+    pivots: torch.Tensor
+    weights: torch.Tensor
+
+
+def rpnys(
+    keys: torch.Tensor,
+    rank: int,
+    coefficient: torch.Tensor,
+    step_keys: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> RPNysResult:
+    """Randomly pivoted Nystrom (Alg. 1) for the kernel ``h(x, y) = exp(a <x, y>)``, batched.
+
+    keys:        ``[..., L, d]`` (already recentred); computed in float32, or float64 for float64 input.
+    coefficient: ``[...]`` the kernel coefficient ``a`` (beta / tau^2) per problem.
+    step_keys:   ``[..., rank]`` int64 random keys, one per pivot step (see :mod:`kvcompress.rng`).
+    valid:       optional ``[..., L]`` bool mask; masked rows are never selected and get weight 0.
+
+    Stable form (DESIGN.md): with ``y = sqrt(a) x``, ``h = D G D`` for the Gaussian kernel
+    ``G_ij = exp(-|y_i - y_j|^2 / 2)`` and ``D_i = exp(|y_i|^2 / 2)``. The Cholesky-style updates run
+    on G (bounded by 1); pivots are drawn from the residual diagonal of h, ``res_G(l) exp(|y_l|^2)``,
+    by the Gumbel-max trick in log space; the weights are mapped back by
+    ``W_h[s, l] = W_G[s, l] exp((|y_l|^2 - |y_s|^2) / 2)``. A bin whose residual is exhausted stops
+    early: its remaining rows are inert and the result is still an exact Nystrom approximation.
+    """
+    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    *lead, length, _ = keys.shape
+    y = keys.to(compute) * coefficient.to(compute).clamp_min(0).sqrt().unsqueeze(-1).unsqueeze(-1)
+    y = y.reshape(-1, length, y.shape[-1])
+    problems = y.shape[0]
+    mask = torch.ones(problems, length, dtype=torch.bool, device=y.device)
+    if valid is not None:
+        mask = valid.reshape(problems, length)
+    step_keys = step_keys.reshape(problems, rank)
+
+    sq_norm = (y * y).sum(-1)  # |y_l|^2
+    residual = mask.to(compute)  # residual diagonal of G
+    inverse = y.new_zeros(problems, rank, rank)  # M of Alg. 1 (in G space)
+    rows = y.new_zeros(problems, rank, length)  # R of Alg. 1: G(y_s, y) per pivot
+    pivots = torch.full((problems, rank), -1, dtype=torch.int64, device=y.device)
+    batch = torch.arange(problems, device=y.device)
+    floor = _EXHAUSTED[compute]
+
+    for i in range(rank):
+        log_residual = torch.where(residual > floor, residual.clamp_min(floor).log(), -math.inf)
+        scores = log_residual + sq_norm + rng.gumbel(step_keys[:, i], length, compute)
+        best, pivot = scores.max(-1)
+        alive = best > -math.inf
+        if not bool(alive.any()):
+            break
+        res_pivot = residual[batch, pivot]
+        y_pivot = y[batch, pivot]  # [P, d]
+        kernel_row = torch.exp(
+            torch.einsum("pld,pd->pl", y, y_pivot) - 0.5 * sq_norm - 0.5 * sq_norm[batch, pivot, None]
+        ).masked_fill(~mask, 0.0)
+        # g = (M R[:, s], -1) / sqrt(res(s)) and M <- M + g g^T (eq. (7)); inactive problems get g = 0.
+        g = y.new_zeros(problems, i + 1)
+        g[:, :i] = torch.einsum("pij,pj->pi", inverse[:, :i, :i], rows[:, :i, :][batch, :, pivot])
+        g[:, i] = -1.0
+        g = g * torch.where(alive, res_pivot.clamp_min(floor).rsqrt(), torch.zeros_like(res_pivot))[:, None]
+        inverse[:, : i + 1, : i + 1] += g[:, :, None] * g[:, None, :]
+        rows[:, i] = kernel_row * alive[:, None]
+        # Residual diagonal update of eq. (8), clamped at 0 and zeroed at the pivot.
+        delta = torch.einsum("pi,pil->pl", g, rows[:, : i + 1])
+        residual = (residual - delta * delta).clamp_min(0)
+        residual[batch, pivot] = torch.where(alive, torch.zeros_like(res_pivot), residual[batch, pivot])
+        pivots[:, i] = torch.where(alive, pivot, -1)
+
+    weights_g = inverse @ rows  # W = M R, Gaussian-kernel weights
+    chosen_sq = sq_norm.gather(1, pivots.clamp_min(0))
+    weights = weights_g * torch.exp(0.5 * (sq_norm[:, None, :] - chosen_sq[:, :, None]))
+    weights = torch.where(weights_g == 0, torch.zeros_like(weights), weights)
+    return RPNysResult(pivots=pivots.reshape(*lead, rank), weights=weights.reshape(*lead, rank, length))
+
+
+def bin_bounds(n: int, bins: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` row ranges of ``bins`` bins over n rows; sizes differ by at most one
+    (the first ``n % bins`` bins are one row longer)."""
+    base, extra = divmod(n, bins)
+    bounds, start = [], 0
+    for b in range(bins):
+        end = start + base + (b < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def compress_kv(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rank: int,
+    *,
+    bins: int = 1,
+    scaling: float | None = None,
+    query_radius: float | torch.Tensor | None = None,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CompressKV (Alg. 2): a weighted coreset of ``rank`` rows for keys/values ``[..., n, d]``.
+
+    Keys are recentred by their mean, the n rows split into ``bins`` contiguous bins (sizes differ by
+    at most one), and each bin runs RPNys for ``rank // bins`` pivots under ``exp(beta <x, y> / tau^2)``
+    with tau from eq. (12) (R_K = the bin's max recentred key norm; R_Q = ``query_radius``, default
+    R_K). ``seed`` fixes the draws; the draws of bin b of problem p form stream ``p * bins + b``.
+
+    Returns ``K_S [..., rank, d]`` (the ORIGINAL selected keys, in ``keys.dtype``), ``V_S = W V``
+    ``[..., rank, d_v]`` (``values.dtype``) and ``w = W 1`` ``[..., rank]`` (float32; float64 for float64
+    input). Rows of a bin whose residual ran out early are inert: ``w = 0`` and ``V_S = 0``.
+    """
+    check_float_tensor("keys", keys, min_dim=2)
+    check_float_tensor("values", values, min_dim=2)
+    if values.dtype != keys.dtype or values.device != keys.device:
+        raise ValueError(
+            f"values: dtype/device must match keys ({keys.dtype}, {keys.device}), got ({values.dtype}, {values.device})"
+        )
+    if values.shape[:-1] != keys.shape[:-1]:
+        raise ValueError(f"values: shape {tuple(values.shape)} must match keys {tuple(keys.shape)} except the last dim")
+    *lead, n, dim = keys.shape
+    if n < 1:
+        raise ValueError("keys: need at least one row (n >= 1)")
+    check_int_range("rank", rank, 1)
+    check_int_range("bins", bins, 1)
+    if rank % bins:
+        raise ValueError(f"rank: must be a multiple of bins={bins}, got rank={rank}")
+    per_bin = rank // bins
+    if bins > 1 and n // bins < per_bin:
+        raise ValueError(
+            f"bins: the shortest bin has {n // bins} rows, fewer than its {per_bin} pivots (rank / bins); "
+            f"use bins <= {n // per_bin} or a smaller rank"
+        )
+    check_int_range("rank", rank, 1, n)
+    scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    elif not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed: must be an int or None, got {seed!r}")
+    check_finite("keys", keys)
+    check_finite("values", values)
+
+    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    problems = math.prod(lead)
+    flat_keys = keys.reshape(problems, n, dim)
+    flat_values = values.reshape(problems, n, values.shape[-1])
+    centred = flat_keys.to(compute) - flat_keys.to(compute).mean(1, keepdim=True)
+
+    # Bins as a padded [P, B, L] view (the reference pays one gather; the GPU kernel masks instead).
+    bounds = bin_bounds(n, bins)
+    length = bounds[0][1] - bounds[0][0]
+    starts = torch.tensor([s for s, _ in bounds], device=keys.device)
+    sizes = torch.tensor([e - s for s, e in bounds], device=keys.device)
+    offsets = torch.arange(length, device=keys.device)
+    valid = offsets[None, :] < sizes[:, None]  # [B, L]
+    index = torch.where(valid, starts[:, None] + offsets[None, :], 0)  # [B, L]
+    binned = centred[:, index]  # [P, B, L, d]
+
+    key_radius = binned.norm(dim=-1).masked_fill(~valid, 0).amax(-1).to(torch.float64)  # [P, B]
+    if query_radius is None:
+        q_radius = key_radius
+    else:
+        q_radius = _query_radius_tensor(query_radius, lead, keys.device).reshape(problems, 1).expand(problems, bins)
+    coefficient = kernel_coefficient(
+        torch.tensor(scaling, dtype=torch.float64), q_radius, key_radius, sizes.to(torch.float64)[None, :]
+    )
+
+    key = rng.seed_key(seed)
+    streams = torch.arange(problems * bins, device=keys.device, dtype=torch.int64).reshape(problems, bins)
+    step_keys = torch.stack([rng.stream_step_key(key, streams, i) for i in range(per_bin)], -1)
+    result = rpnys(binned, per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
+    if not bool(torch.isfinite(result.weights).all()):
+        # exp(|y|^2 / 2) left the float32 range (huge beta R_Q R_K): redo the selection in float64.
+        result = rpnys(binned.double(), per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
+
+    weights = result.weights  # [P, B, k, L]; float64 after the fallback above
+    values_binned = flat_values.to(weights.dtype)[:, index] * valid[None, :, :, None]
+    compressed_values = torch.einsum("pbkl,pbld->pbkd", weights, values_binned)
+    row_weights = weights.sum(-1)
+
+    # Inert rows repeat the bin's first pivot key, so no phantom logit enters the max of Alg. 3.
+    pivots = torch.where(result.pivots >= 0, result.pivots, result.pivots[..., :1])
+    global_rows = (starts[None, :, None] + pivots).reshape(problems, rank)
+    selected_keys = flat_keys.gather(1, global_rows[..., None].expand(problems, rank, dim))
+    w_dtype = torch.float64 if compute == torch.float64 else torch.float32
+    return (
+        selected_keys.reshape(*lead, rank, dim),
+        compressed_values.reshape(*lead, rank, values.shape[-1]).to(values.dtype),
+        row_weights.reshape(*lead, rank).to(w_dtype),
+    )
+
+
+def _query_radius_tensor(query_radius: float | torch.Tensor, lead: list[int], device: torch.device) -> torch.Tensor:
+    radius = torch.as_tensor(query_radius, dtype=torch.float64, device=device)
+    try:
+        radius = radius.expand(*lead) if lead else radius.reshape(())
+    except RuntimeError as err:
+        raise ValueError(
+            f"query_radius: shape {tuple(radius.shape)} is not broadcastable to the leading dims {tuple(lead)}"
+        ) from err
+    if not bool(torch.isfinite(radius).all()) or bool((radius <= 0).any()):
+        raise ValueError("query_radius: must be finite and > 0")
+    return radius

@@ -1,0 +1,131 @@
+"""Weighted attention (Alg. 3) against a naive float64 loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcompress import weighted_attention
+
+
+def naive_weighted_attention(q, k, v, w, scaling, v_min=None, v_max=None, causal_offset=None):
+    """One query head and one query at a time, in float64, straight from Alg. 3."""
+    q, k, v, w = q.double(), k.double(), v.double(), w.double()
+    batch, heads_q, m, _ = q.shape
+    heads_kv, n = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    out = torch.zeros(batch, heads_q, m, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads_q):
+            kv = h // group
+            for i in range(m):
+                visible = [j for j in range(n) if causal_offset is None or j <= causal_offset + i]
+                logits = torch.stack([scaling * q[b, h, i] @ k[b, kv, j] for j in visible])
+                e = torch.exp(logits - logits.max())
+                num = sum(e[t] * v[b, kv, j] for t, j in enumerate(visible))
+                den = sum(e[t] * w[b, kv, j] for t, j in enumerate(visible))
+                o = num / den if den > 0 else torch.zeros(v.shape[-1], dtype=torch.float64)
+                if v_min is not None:
+                    o = torch.maximum(o, v_min[b, kv].double())
+                if v_max is not None:
+                    o = torch.minimum(o, v_max[b, kv].double())
+                out[b, h, i] = o
+    return out
+
+
+def random_inputs(batch, heads_q, heads_kv, m, n, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads_q, m, d, generator=gen)
+    k = torch.randn(batch, heads_kv, n, d, generator=gen)
+    v = torch.randn(batch, heads_kv, n, d, generator=gen)
+    w = torch.rand(batch, heads_kv, n, generator=gen) * 2 - 0.3  # some weights negative, as Nystrom gives
+    return q.to(dtype), k.to(dtype), v.to(dtype), w
+
+
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (6, 2), (7, 1)])
+def test_gqa_matches_naive_loop(heads_q, heads_kv):
+    q, k, v, w = random_inputs(2, heads_q, heads_kv, 3, 11, 8, dtype=torch.float64)
+    out = weighted_attention(q, k, v, w, scaling=0.3)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, naive_weighted_attention(q, k, v, w, 0.3), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("offset", [0, 4, 9])
+def test_causal_offset_matches_naive_loop(offset):
+    q, k, v, w = random_inputs(1, 4, 2, 4, 13, 8, dtype=torch.float64, seed=offset)
+    out = weighted_attention(q, k, v, w, causal_offset=offset)
+    ref = naive_weighted_attention(q, k, v, w, 1 / math.sqrt(8), causal_offset=offset)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_causal_offset_with_unit_weights_is_causal_softmax():
+    q, k, v, _ = random_inputs(2, 4, 2, 5, 12, 16, dtype=torch.float64, seed=3)
+    w = torch.ones(2, 2, 12, dtype=torch.float64)
+    out = weighted_attention(q, k, v, w, causal_offset=7)
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(7)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_clipping_and_nonpositive_denominator():
+    q, k, v, w = random_inputs(2, 4, 2, 6, 10, 8, dtype=torch.float64, seed=5)
+    w[0, 0] = -torch.rand(10, dtype=torch.float64) - 0.1  # head with denominator < 0 everywhere
+    gen = torch.Generator().manual_seed(1)
+    v_min = -0.2 - torch.rand(2, 2, 8, generator=gen, dtype=torch.float64)
+    v_max = 0.2 + torch.rand(2, 2, 8, generator=gen, dtype=torch.float64)
+    out = weighted_attention(q, k, v, w, v_min=v_min, v_max=v_max)
+    ref = naive_weighted_attention(q, k, v, w, 1 / math.sqrt(8), v_min, v_max)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    # Denominator <= 0 -> 0 before clipping, so those outputs sit at clip(0).
+    torch.testing.assert_close(
+        out[0, :2], torch.clamp(torch.zeros(2, 6, 8, dtype=torch.float64), v_min[0, 0], v_max[0, 0])
+    )
+    assert (out >= v_min.repeat_interleave(2, 1)[:, :, None]).all() and (
+        out <= v_max.repeat_interleave(2, 1)[:, :, None]
+    ).all()
+    # Only one bound given.
+    only_max = weighted_attention(q, k, v, w, v_max=v_max)
+    torch.testing.assert_close(only_max, naive_weighted_attention(q, k, v, w, 1 / math.sqrt(8), v_max=v_max))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_low_precision_inputs_accumulate_in_fp32(dtype, tol):
+    q, k, v, w = random_inputs(2, 8, 2, 3, 700, 64, dtype=dtype, seed=2)
+    w = w.abs() + 0.05
+    k = k * 8  # large logits: exp must not overflow in low precision
+    out = weighted_attention(q, k, v, w, causal_offset=697)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    ref = naive_weighted_attention(q, k, v, w, 1 / 8, causal_offset=697) if dtype == torch.float32 else None
+    ref = (
+        ref
+        if ref is not None
+        else weighted_attention(q.double(), k.double(), v.double(), w.double(), causal_offset=697)
+    )
+    assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+def _good():
+    return random_inputs(1, 4, 2, 3, 9, 8)
+
+
+@pytest.mark.parametrize(
+    "change, kwargs, name",
+    [
+        (lambda q, k, v, w: (q[:, :3], k, v, w), {}, "queries"),  # 3 query heads over 2 KV heads
+        (lambda q, k, v, w: (q, k[..., :4], v, w), {}, "keys"),
+        (lambda q, k, v, w: (q, k, v[:, :, :5], w), {}, "values"),
+        (lambda q, k, v, w: (q, k, v, w[..., :5]), {}, "weights"),
+        (lambda q, k, v, w: (q, k.double(), v, w), {}, "keys"),
+        (lambda q, k, v, w: (q[0], k, v, w), {}, "queries"),
+        (lambda q, k, v, w: (q, k, v, w.long()), {}, "weights"),
+        (lambda q, k, v, w: (q, k, v, w), {"v_min": torch.zeros(1, 4, 8)}, "v_min"),
+        (lambda q, k, v, w: (q, k, v, w), {"v_max": torch.zeros(1, 2)}, "v_max"),
+        (lambda q, k, v, w: (q, k, v, w), {"causal_offset": -1}, "causal_offset"),
+        (lambda q, k, v, w: (q, k, v, w), {"scaling": -0.1}, "scaling"),
+    ],
+)
+def test_bad_input_names_the_parameter(change, kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        weighted_attention(*change(*_good()), **kwargs)

@@ -1,0 +1,320 @@
+"""CompressKV math (Alg. 1, 2, eq. (7), (8), (12), App. L) against direct float64 evaluations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import lambertw
+from scipy.stats import chi2
+
+from kvcompress import compress_kv, lambert_w0, rng, rpnys, temperature, weighted_attention
+from kvcompress.nystrom import RHO0, bin_bounds, kernel_coefficient
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    q, k, v = q.double(), k.double(), v.double()
+    return torch.softmax(scaling * q @ k.transpose(-1, -2), -1) @ v
+
+
+# ---------------------------------------------------------------- Lambert W and temperature (App. L, eq. 12)
+
+
+def test_lambert_w0_matches_scipy_to_1e12_relative():
+    z = torch.logspace(-8, 8, 4001, dtype=torch.float64)
+    z = z * (1 + 0.01 * torch.rand(z.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    ours = lambert_w0(z)
+    ref = torch.from_numpy(lambertw(z.numpy()).real)
+    assert ((ours - ref).abs() / ref).max().item() <= 1e-12
+    assert lambert_w0(torch.tensor([0.0], dtype=torch.float64)).item() == 0.0
+    # W0(z) e^W0(z) = z is the definition.
+    assert torch.allclose(ours * ours.exp(), z, rtol=1e-12)
+
+
+def test_lambert_w0_rejects_negative_input():
+    with pytest.raises(ValueError, match="z"):
+        lambert_w0(torch.tensor([-0.1]))
+
+
+def test_rho0_value():
+    assert RHO0 == pytest.approx(math.sqrt(1 + math.exp(lambertw(2 / math.e**2).real + 2)), rel=1e-14)
+    assert RHO0 == pytest.approx(3.19, abs=0.01)
+
+
+def test_temperature_matches_direct_eq12():
+    gen = np.random.default_rng(7)
+    beta = gen.uniform(0.05, 0.5, 200)
+    r_q = gen.uniform(0.1, 40.0, 200)
+    r_k = gen.uniform(0.1, 40.0, 200)
+    n = gen.integers(1, 100_000, 200).astype(np.float64)
+    b0 = np.log(n) / (beta * r_q * r_k) + 2
+    direct = np.sqrt(r_k / r_q * b0 / (2 * lambertw(b0 / (2 * RHO0)).real))
+    ours = temperature(*(torch.from_numpy(x) for x in (beta, r_q, r_k, n)))
+    np.testing.assert_allclose(ours.numpy(), direct, rtol=1e-12)
+
+
+# ---------------------------------------------------------------- exactness at full rank
+
+
+@pytest.mark.parametrize("lead", [(2, 3), (4,)])
+def test_full_rank_reproduces_exact_softmax_attention(lead):
+    gen = torch.Generator().manual_seed(11)
+    n, d = 32, 16
+    keys = torch.randn(*lead, n, d, generator=gen, dtype=torch.float64)
+    values = torch.randn(*lead, n, d, generator=gen, dtype=torch.float64)
+    queries = torch.randn(*lead[:1], 6, 5, d, generator=gen, dtype=torch.float64)
+    k4, v4 = keys.reshape(lead[0], -1, n, d), values.reshape(lead[0], -1, n, d)
+    k_s, v_s, w = compress_kv(keys, values, n, seed=3)
+    out = weighted_attention(
+        queries, k_s.reshape(k4.shape), v_s.reshape(v4.shape), w.reshape(k4.shape[:3]), scaling=0.25
+    )
+    exact = exact_attention(queries.reshape(lead[0], k4.shape[1], -1, d), k4, v4, 0.25)
+    assert (out.reshape(exact.shape) - exact).abs().max().item() <= 1e-8
+    # Every row was selected once, so the weights are a permutation: w = 1.
+    assert torch.allclose(w, torch.ones_like(w), atol=1e-8)
+
+
+# ---------------------------------------------------------------- RPNys (Alg. 1, eq. 7-8)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-9), (torch.float32, 2e-3)])
+def test_rank_one_update_weights_equal_direct_nystrom(dtype, rtol):
+    gen = torch.Generator().manual_seed(5)
+    problems, length, d, rank = 3, 40, 8, 10
+    x = torch.randn(problems, length, d, generator=gen, dtype=torch.float64)
+    x = x - x.mean(1, keepdim=True)
+    a = torch.tensor([0.05, 0.1, 0.2], dtype=torch.float64)
+    step_keys = torch.stack([rng.stream_step_key(rng.seed_key(9), torch.arange(problems), i) for i in range(rank)], -1)
+    result = rpnys(x.to(dtype), rank, a, step_keys)
+    assert (result.pivots >= 0).all()
+    assert all(len(set(p.tolist())) == rank for p in result.pivots)
+    for p in range(problems):
+        h = torch.exp(a[p] * x[p] @ x[p].T)
+        s = result.pivots[p]
+        chol = torch.linalg.cholesky(h[s][:, s])
+        direct = torch.cholesky_solve(h[s], chol)  # h(K_S, K_S)^-1 h(K_S, K)
+        err = (result.weights[p].double() - direct).abs().max() / direct.abs().max()
+        assert err.item() <= rtol
+        # Nystrom interpolates at the pivots: W[:, s] is the identity.
+        assert torch.allclose(result.weights[p][:, s].double(), torch.eye(rank, dtype=torch.float64), atol=rtol * 10)
+
+
+def _second_pivot_probabilities(x: torch.Tensor, a: float) -> np.ndarray:
+    """P(first = i, second = j) from the residual diagonal of h(x, y) = exp(a <x, y>) (eq. 6, 8)."""
+    h = torch.exp(a * x @ x.T)
+    diag = h.diagonal()
+    n = len(diag)
+    probs = np.zeros((n, n))
+    for i in range(n):
+        residual = diag - h[:, i] ** 2 / h[i, i]
+        residual[i] = 0
+        probs[i] = (diag[i] / diag.sum() * residual / residual.sum()).numpy()
+    return probs
+
+
+def test_pivot_sampling_follows_residual_diagonal():
+    x = torch.tensor([[0.0, 0.0], [1.0, 0.2], [-0.8, 1.1], [1.5, -1.0], [0.3, 0.9]], dtype=torch.float64)
+    a, draws, n = 0.7, 30_000, x.shape[0]
+    streams = torch.arange(draws)
+    step_keys = torch.stack([rng.stream_step_key(rng.seed_key(2024), streams, i) for i in range(2)], -1)
+    result = rpnys(x.expand(draws, n, 2), 2, torch.full((draws,), a, dtype=torch.float64), step_keys)
+    counts = np.zeros((n, n))
+    np.add.at(counts, (result.pivots[:, 0].numpy(), result.pivots[:, 1].numpy()), 1)
+    expected = _second_pivot_probabilities(x, a) * draws
+    off_diagonal = ~np.eye(n, dtype=bool)
+    assert counts[~off_diagonal].sum() == 0  # a pivot is never drawn twice
+    stat = ((counts - expected)[off_diagonal] ** 2 / expected[off_diagonal]).sum()
+    p_value = chi2.sf(stat, off_diagonal.sum() - 1)
+    assert p_value > 1e-3, f"chi2={stat:.1f}, p={p_value:.2e}"
+    # The same draws against uniform sampling must be rejected: the test has power.
+    uniform = np.full((n, n), draws / (n * (n - 1)))
+    stat_uniform = ((counts - uniform)[off_diagonal] ** 2 / uniform[off_diagonal]).sum()
+    assert chi2.sf(stat_uniform, off_diagonal.sum() - 1) < 1e-6
+
+
+# ---------------------------------------------------------------- binning (Alg. 2)
+
+
+def test_bins_equal_separate_per_bin_compression():
+    gen = torch.Generator().manual_seed(21)
+    lead, n, d, bins, rank, seed = (2, 3), 203, 16, 4, 24, 77
+    keys = torch.randn(*lead, n, d, generator=gen, dtype=torch.float64) * 1.5 + 0.3
+    values = torch.randn(*lead, n, d, generator=gen, dtype=torch.float64)
+    k_s, v_s, w = compress_kv(keys, values, rank, bins=bins, seed=seed, scaling=0.2)
+
+    per_bin, problems = rank // bins, 6
+    flat_k, flat_v = keys.reshape(problems, n, d), values.reshape(problems, n, d)
+    centred = flat_k - flat_k.mean(1, keepdim=True)
+    bounds = bin_bounds(n, bins)
+    assert sorted({e - s for s, e in bounds}) == [50, 51]
+    key = rng.seed_key(seed)
+    for p in range(problems):
+        for b, (start, end) in enumerate(bounds):
+            x = centred[p, start:end]
+            r_k = x.norm(dim=-1).max()
+            a = kernel_coefficient(torch.tensor(0.2, dtype=torch.float64), r_k, r_k, torch.tensor(end - start))
+            steps = torch.stack([rng.stream_step_key(key, torch.tensor(p * bins + b), i) for i in range(per_bin)])
+            alone = rpnys(x, per_bin, a, steps)
+            rows = slice(b * per_bin, (b + 1) * per_bin)
+            torch.testing.assert_close(k_s.reshape(problems, rank, d)[p, rows], flat_k[p, start + alone.pivots])
+            torch.testing.assert_close(
+                v_s.reshape(problems, rank, d)[p, rows], alone.weights @ flat_v[p, start:end], rtol=1e-10, atol=1e-10
+            )
+            torch.testing.assert_close(
+                w.reshape(problems, rank)[p, rows], alone.weights.sum(-1), rtol=1e-10, atol=1e-10
+            )
+
+
+def test_seed_reproducible_and_varies():
+    gen = torch.Generator().manual_seed(4)
+    keys, values = torch.randn(2, 2, 300, 32, generator=gen), torch.randn(2, 2, 300, 32, generator=gen)
+    first = compress_kv(keys, values, 48, bins=4, seed=1)
+    again = compress_kv(keys, values, 48, bins=4, seed=1)
+    other = compress_kv(keys, values, 48, bins=4, seed=2)
+    for x, y in zip(first, again, strict=True):
+        assert torch.equal(x, y)
+    assert not torch.equal(first[0], other[0])
+
+
+def test_exhausted_bin_gives_inert_rows_and_stays_exact():
+    gen = torch.Generator().manual_seed(8)
+    d = 8
+    distinct = torch.randn(3, d, generator=gen, dtype=torch.float64)
+    keys = distinct[torch.randint(0, 3, (64,), generator=gen)][None, None]  # 64 rows, 3 distinct keys
+    values = torch.randn(1, 1, 64, d, generator=gen, dtype=torch.float64)
+    k_s, v_s, w = compress_kv(keys, values, 8, seed=0)
+    inert = w == 0
+    assert inert.sum().item() == 5  # 3 pivots exhaust the residual, 5 rows stay inert
+    assert torch.all(v_s[inert] == 0)
+    queries = torch.randn(1, 2, 7, d, generator=gen, dtype=torch.float64)
+    out = weighted_attention(queries, k_s, v_s, w)
+    assert (out - exact_attention(queries, keys, values, 1 / math.sqrt(d))).abs().max().item() <= 1e-8
+
+
+def test_query_radius_tensor_and_dtypes():
+    gen = torch.Generator().manual_seed(13)
+    keys = torch.randn(2, 3, 128, 64, generator=gen).to(torch.bfloat16)
+    values = torch.randn(2, 3, 128, 64, generator=gen).to(torch.bfloat16)
+    radius = torch.tensor([[1.0], [4.0]])  # broadcast over the 3 heads
+    k_s, v_s, w = compress_kv(keys, values, 24, bins=2, query_radius=radius, seed=0)
+    assert k_s.dtype == v_s.dtype == torch.bfloat16 and w.dtype == torch.float32
+    assert k_s.shape == (2, 3, 24, 64) and v_s.shape == (2, 3, 24, 64) and w.shape == (2, 3, 24)
+    # K_S are original rows of the input.
+    assert all((keys[0, 0] == row).all(-1).any() for row in k_s[0, 0])
+    assert torch.isfinite(v_s.float()).all() and torch.isfinite(w).all()
+
+
+def test_large_key_norms_stay_finite():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 512, 64, generator=gen) * torch.logspace(-1, 1.8, 512)[:, None]  # norms up to ~500
+    values = torch.randn(1, 2, 512, 64, generator=gen)
+    queries = torch.randn(1, 4, 9, 64, generator=gen) * 5
+    k_s, v_s, w = compress_kv(keys, values, 64, bins=4, seed=0)
+    out = weighted_attention(queries, k_s, v_s, w, v_min=values.amin(2), v_max=values.amax(2))
+    assert torch.isfinite(out).all() and torch.isfinite(w).all()
+
+
+# ---------------------------------------------------------------- approximation quality
+
+
+def test_error_falls_with_rank_and_beats_uniform_subset():
+    gen = torch.Generator().manual_seed(99)
+    heads, n, d, m = 4, 1024, 64, 64
+    keys = torch.randn(1, heads, n, d, generator=gen)
+    values = torch.randn(1, heads, n, d, generator=gen)
+    queries = torch.randn(1, heads, m, d, generator=gen)
+    exact = exact_attention(queries, keys, values, 1 / math.sqrt(d))
+    v_min, v_max = values.amin(2), values.amax(2)
+    errors = []
+    for rank in (32, 128, 512):
+        k_s, v_s, w = compress_kv(keys, values, rank, seed=rank)
+        ours = weighted_attention(queries, k_s, v_s, w, v_min=v_min, v_max=v_max)
+        subset = torch.randperm(n, generator=gen)[:rank]
+        uniform = exact_attention(queries, keys[:, :, subset], values[:, :, subset], 1 / math.sqrt(d))
+        ours_err = (ours - exact).abs().amax((-1, -2)).mean().item()
+        uniform_err = (uniform - exact).abs().amax((-1, -2)).mean().item()
+        assert ours_err < uniform_err, f"rank {rank}: compresskv {ours_err:.4f} >= uniform {uniform_err:.4f}"
+        errors.append(ours_err)
+    assert errors[0] > errors[1] > errors[2], errors
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _kv(n=64, d=8, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(2, n, d, generator=gen, dtype=dtype), torch.randn(2, n, d, generator=gen, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(rank=0), "rank"),
+        (dict(rank=-3), "rank"),
+        (dict(rank=65), "rank"),
+        (dict(rank=2.5), "rank"),
+        (dict(rank=12, bins=5), "rank"),
+        (dict(rank=8, bins=0), "bins"),
+        (dict(rank=65, bins=65), "bins"),
+        (dict(rank=8, scaling=0.0), "scaling"),
+        (dict(rank=8, scaling=float("nan")), "scaling"),
+        (dict(rank=8, query_radius=-1.0), "query_radius"),
+        (dict(rank=8, query_radius=torch.ones(3)), "query_radius"),
+        (dict(rank=8, seed=1.5), "seed"),
+    ],
+)
+def test_compress_kv_rejects_out_of_range_arguments(kwargs, name):
+    keys, values = _kv()
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        compress_kv(keys, values, **kwargs)
+
+
+@pytest.mark.parametrize("rank, bins", [(64, 1), (40, 2), (63, 3), (64, 64)])
+def test_compress_kv_accepts_boundary_arguments(rank, bins):
+    keys, values = _kv()
+    k_s, v_s, w = compress_kv(keys, values, rank, bins=bins, seed=0)
+    assert k_s.shape == v_s.shape == (2, rank, 8) and w.shape == (2, rank) and torch.isfinite(w).all()
+
+
+def test_bin_shorter_than_pivot_count_is_rejected():
+    keys, values = _kv(n=50)
+    with pytest.raises(ValueError, match="bins: the shortest bin has 16 rows, fewer than its 17 pivots"):
+        compress_kv(keys, values, 51, bins=3)
+    with pytest.raises(ValueError, match="bins: the shortest bin has 12 rows, fewer than its 13 pivots"):
+        compress_kv(keys, values, 52, bins=4)
+
+
+@pytest.mark.parametrize(
+    "mutate, name",
+    [
+        (lambda k, v: (k, v[..., :-1, :]), "values"),
+        (lambda k, v: (k, v.double()), "values"),
+        (lambda k, v: (k.int(), v), "keys"),
+        (lambda k, v: (k[0, 0], v[0, 0]), "keys"),
+        (lambda k, v: (k.index_fill(1, torch.tensor([3]), float("nan")), v), "keys"),
+        (lambda k, v: (k, v.index_fill(1, torch.tensor([5]), float("inf"))), "values"),
+    ],
+)
+def test_compress_kv_rejects_bad_tensors(mutate, name):
+    keys, values = mutate(*_kv())
+    with pytest.raises(ValueError, match=name):
+        compress_kv(keys, values, 8)
+
+
+def test_float32_overflow_falls_back_to_float64_selection():
+    # Log-normal key norms with a large query radius push exp(|y|^2 / 2) past the float32 range.
+    gen = torch.Generator().manual_seed(39)
+    keys = torch.exp(1.5 * torch.randn(128, 1, generator=gen)) * torch.randn(128, 16, generator=gen)
+    values = torch.randn(128, 16, generator=gen)
+    radius = float(keys.norm(dim=-1).max())
+    k_s, v_s, w = compress_kv(keys, values, 16, query_radius=radius, seed=0)
+    assert k_s.dtype == v_s.dtype == w.dtype == torch.float32
+    k_ref, v_ref, w_ref = compress_kv(keys.double(), values.double(), 16, query_radius=radius, seed=0)
+    torch.testing.assert_close(k_s.double(), k_ref)  # same pivots as an all-float64 run
+    # Same weights up to the float32 recentring, which this deliberately extreme (near-singular) kernel
+    # amplifies to ~1e-2 on one row; everything else agrees to 1e-5.
+    torch.testing.assert_close(v_s.double(), v_ref, rtol=5e-2, atol=1e-2)
+    torch.testing.assert_close(w.double(), w_ref, rtol=5e-2, atol=1e-2)
+    assert ((w.double() - w_ref).abs() > 1e-5).sum() <= 1
