@@ -3,5 +3,14 @@
 from kvcompress.attention import weighted_attention
 from kvcompress.nystrom import compress_kv, lambert_w0, rpnys, temperature
 
-__all__ = ["compress_kv", "lambert_w0", "rpnys", "temperature", "weighted_attention"]
+__all__ = ["CompressKVPress", "UniformPress", "compress_kv", "lambert_w0", "rpnys", "temperature", "weighted_attention"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The presses import kvpress and transformers; the tensor API does not need them.
+    if name in ("CompressKVPress", "UniformPress"):
+        from kvcompress import presses
+
+        return getattr(presses, name)
+    raise AttributeError(f"module 'kvcompress' has no attribute {name!r}")

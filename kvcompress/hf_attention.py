@@ -1,0 +1,68 @@
+"""transformers glue: the "kvcompress" attention function and its mask function.
+
+Registered under one name with ``AttentionInterface`` and ``AttentionMaskInterface``. Over a
+compressed cache layer (see :mod:`kvcompress.cache`) it runs weighted attention (Alg. 3); anywhere
+else it hands the call to the stock sdpa function unchanged, so a never-compressed cache gives
+exactly the sdpa result.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvcompress.attention import weighted_attention
+from kvcompress.cache import layer_of
+
+ATTENTION_NAME = "kvcompress"
+
+
+def kvcompress_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query ``[b, h_q, q, d]``, key/value ``[b, h_kv, n, d]``.
+
+    Returns ``([b, q, h_q, d], None)`` like the stock functions. On a compressed layer the new tokens
+    are the last ``q`` rows, causal among themselves, and see every earlier row (no padding support).
+    """
+    layer = layer_of(key)
+    if layer is None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    rows, q_len = key.shape[-2], query.shape[-2]
+    v_min, v_max = layer.value_range(value)
+    out = weighted_attention(
+        query,
+        key,
+        value,
+        layer.weights_for(rows),
+        scaling=scaling,
+        v_min=v_min,
+        v_max=v_max,
+        causal_offset=rows - q_len,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register the attention and mask functions under ``ATTENTION_NAME`` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_weighted_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` (and its text sub-model) to the kvcompress attention; it stays switched."""
+    register()
+    config = getattr(model.config, "text_config", None) or model.config
+    if config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation({"text_config": ATTENTION_NAME} if config is not model.config else ATTENTION_NAME)

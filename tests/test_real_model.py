@@ -1,0 +1,61 @@
+"""SmolLM2-135M-Instruct (the embedded model) on ~2k-token pydoc_data.topics contexts. Slow; CI runs them."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from eval.fidelity import (
+    Config,
+    QueryRecorder,
+    continuation_logprobs,
+    layer_errors,
+    make_contexts,
+    prefill,
+)
+from eval.models import load_model
+from kvcompress import CompressKVPress, UniformPress
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_and_contexts(embedded_dir):
+    model, tokenizer = load_model(str(embedded_dir))
+    contexts = make_contexts(tokenizer, Config(contexts=3, context_tokens=2000, continuation_tokens=48, seed=7))
+    return model, contexts
+
+
+def test_continuation_kl_falls_as_kept_fraction_grows(model_and_contexts):
+    model, contexts = model_and_contexts
+    kl = {0.25: [], 0.5: [], 0.9: []}
+    for index, ctx in enumerate(contexts[:2]):
+        cache, _ = prefill(model, None, ctx.ids)
+        exact = continuation_logprobs(model, cache, ctx.ids.shape[1], ctx.continuation)
+        for kept in kl:
+            press = CompressKVPress(compression_ratio=1 - kept, seed=index)
+            cache, _ = prefill(model, press, ctx.ids)
+            approx = continuation_logprobs(model, cache, ctx.ids.shape[1], ctx.continuation)
+            kl[kept].append(torch.sum(exact.exp() * (exact - approx), dim=-1).mean().item())
+    means = {kept: statistics.mean(values) for kept, values in kl.items()}
+    assert means[0.25] > means[0.5] > means[0.9] > 0, means
+
+
+def test_attention_error_lower_than_uniform_subset_of_same_size(model_and_contexts):
+    model, contexts = model_and_contexts
+    ours, uniform = [], []
+    for index, ctx in enumerate(contexts):
+        recorder = QueryRecorder(model, probes=64)
+        full, _ = prefill(model, None, ctx.ids)
+        recorder.remove()
+        for press, errors in (
+            (CompressKVPress(compression_ratio=0.75, sink_size=32, window_size=32, seed=index), ours),
+            (UniformPress(compression_ratio=0.75, sink_size=32, window_size=32, seed=index), uniform),
+        ):
+            cache, _ = prefill(model, press, ctx.ids)
+            assert all(layer.keys.shape[-2] <= int(ctx.ids.shape[1] * 0.25) for layer in cache.layers)
+            errors += layer_errors(model, full, cache, recorder.queries)
+    assert len(ours) == len(uniform) == 3 * model.config.num_hidden_layers
+    assert statistics.mean(ours) < statistics.mean(uniform), (statistics.mean(ours), statistics.mean(uniform))
