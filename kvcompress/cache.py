@@ -12,8 +12,9 @@ The attention function finds the state through the key tensor it receives: ``upd
 returned keys with their layer. A cache that was never compressed carries no tag and runs stock sdpa.
 
 Lengths: a compressed cache represents more tokens than it holds rows. ``cache.get_seq_length()``
-(no layer index: what ``model.forward`` and ``generate`` use to continue positions) counts tokens;
-``cache.get_seq_length(layer_idx)`` counts the rows that layer holds (what kvpress's pipeline slices to).
+(no layer index: what ``model.forward`` and ``generate`` use to continue positions) and ``cache.crop``
+count tokens; ``cache.get_seq_length(layer_idx)`` counts the rows that layer holds (what kvpress's
+pipeline slices to).
 """
 
 from __future__ import annotations
@@ -91,6 +92,20 @@ class WeightedDynamicCache(DynamicCache):
             return 0
         first = self.layers[0]
         return first.get_seq_length() + getattr(first, "position_offset", 0)
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (counted like ``get_seq_length()``); negative: drop from the end."""
+        for layer in self.layers:
+            if not isinstance(layer, WeightedLayer) or max_length < 0:
+                layer.crop(max_length)
+                continue
+            rows, context = max_length - layer.position_offset, layer.context_rows + layer.position_offset
+            if rows < layer.context_rows:
+                raise ValueError(
+                    f"max_length: a compressed cache can be cropped back to its {context}-token context or later, "
+                    f"got {max_length}"
+                )
+            layer.crop(rows)
 
 
 def install_compressed_layer(cache: DynamicCache, layer_idx: int, layer: WeightedLayer) -> None:

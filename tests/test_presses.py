@@ -190,10 +190,12 @@ def test_state_belongs_to_the_cache_two_interleaved_caches():
         a2 = model(question[:, 3:], past_key_values=cache_a).logits
         b2 = model(question[:, 3:], past_key_values=cache_b).logits
         model.set_attn_implementation("sdpa")
-        stock = model(torch.cat([context_a, question], 1)).logits[:, -QUESTION:]
+        stock_cache = DynamicCache()
+        model(context_a, past_key_values=stock_cache)
+        stock = model(question, past_key_values=stock_cache).logits
     torch.testing.assert_close(torch.cat([a1, a2], 1), solo_a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([b1, b2], 1), solo_b, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(p1, stock, rtol=1e-6, atol=1e-6)  # untouched cache: stock sdpa
+    assert torch.equal(p1, stock)  # an untouched cache runs exactly stock sdpa
     assert not torch.allclose(solo_a, solo_b)
 
 
@@ -288,10 +290,23 @@ def test_unsupported_model_and_bad_press_arguments():
             CompressKVPress(**kwargs)
 
 
-def test_compressed_cache_rejects_cropping_into_its_context():
+def test_crop_counts_tokens_and_refuses_to_cut_the_compressed_context():
     model = tiny_model("llama")
     cache = compress_context(model, CompressKVPress(compression_ratio=0.5, seed=0), tokens(CONTEXT, 61))
-    cache.crop(100)
+    rows = cache.get_seq_length(0)
+    snapshot = copy.deepcopy(cache)
+    with torch.no_grad():
+        model(tokens(QUESTION, 62), past_key_values=cache)
+    assert cache.get_seq_length() == CONTEXT + QUESTION and cache.get_seq_length(0) == rows + QUESTION
+    cache.crop(CONTEXT)  # back to the compressed context, as after answering a question
+    assert cache.get_seq_length() == CONTEXT
+    for layer, kept in zip(cache.layers, snapshot.layers, strict=True):
+        assert torch.equal(layer.keys, kept.keys) and torch.equal(layer.values, kept.values)
+    with pytest.raises(ValueError, match="max_length: a compressed cache can be cropped back to its 300-token"):
+        cache.crop(CONTEXT - 1)
+    # Cutting the rows directly (bypassing crop) is caught before any attention runs on them.
+    cache.layers[0].keys = cache.layers[0].keys[:, :, :100]
+    cache.layers[0].values = cache.layers[0].values[:, :, :100]
     with pytest.raises(RuntimeError, match="cut to"):
         with torch.no_grad():
-            model(tokens(2, 62), past_key_values=cache)
+            model(tokens(2, 63), past_key_values=cache)
