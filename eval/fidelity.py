@@ -1,13 +1,14 @@
 """Real-model fidelity of KV-cache presses: next-token KL, top-1 agreement, planted facts, layer errors.
 
-For each context (a slice of CPython's ``pydoc_data.topics`` text with one planted fact) and each
-press at each kept fraction:
+For each context (a slice of CPython's ``pydoc_data.topics`` text with one planted fact, wrapped in the
+chat template and tokenized exactly as kvpress's pipeline does) and each press at each kept fraction,
+the context is prefilled once under the press and then:
 
-* ``kl`` / ``top1``: the context is prefilled under the press, then the true continuation of the text
-  is teacher-forced at its true positions; mean KL(exact || press) of the next-token distributions and
-  the fraction of positions whose argmax agrees with the exact cache's.
-* ``fact``: the kvpress pipeline (chat template, question not compressed, greedy) answers
-  "What is the secret passcode?"; 1 if the planted 4-digit code appears in the answer as a whole number.
+* ``kl`` / ``top1``: the true continuation of the text is teacher-forced at its true positions; mean
+  KL(exact || press) of the next-token distributions and the fraction of positions whose argmax agrees
+  with the exact cache's.
+* ``fact``: "What is the secret passcode?" (not compressed) is answered greedily by kvpress's own
+  answer loop; 1 if the planted 4-digit code appears in the answer as a whole number.
 * ``prefill_ratio``: prefill time with the press over prefill time without (same process, CPU).
 * ``cache_mib``: bytes held by the compressed cache (keys, values and, for weighted caches, weights).
 * per-layer attention error: the last ``probes`` context queries (post-RoPE) attend the whole context
@@ -20,6 +21,7 @@ Run from the repository root: ``python -m eval.fidelity`` (defaults in ``configs
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import pydoc_data.topics
 import random
@@ -94,14 +96,16 @@ class Config:
 
 @dataclass
 class Context:
-    text: str
-    ids: torch.Tensor  # [1, n] plain-text tokens (no chat template)
-    continuation: torch.Tensor  # [1, c]
+    ids: torch.Tensor  # [1, n] the chat-templated context, as kvpress's pipeline tokenizes it
+    question: torch.Tensor  # [1, q] question + the rest of the chat template
+    continuation: torch.Tensor  # [1, c] the text's true next tokens
     code: int
 
 
-def make_contexts(tokenizer, cfg: Config) -> list[Context]:
-    """Slices of pydoc_data.topics with a planted passcode between 25% and 75% of the context."""
+def make_contexts(pipe, cfg: Config) -> list[Context]:
+    """Slices of pydoc_data.topics with a planted passcode between 25% and 75% of the context,
+    tokenized by the kvpress pipeline ``pipe`` (chat template; the question is not part of the context)."""
+    tokenizer = pipe.tokenizer
     corpus = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     ids = tokenizer(corpus, add_special_tokens=False)["input_ids"]
     rng = random.Random(cfg.seed)
@@ -113,9 +117,10 @@ def make_contexts(tokenizer, cfg: Config) -> list[Context]:
         cut = rng.randrange(cfg.context_tokens // 4, 3 * cfg.context_tokens // 4)
         code = rng.randrange(1000, 10000)
         text = tokenizer.decode(piece[:cut]) + FACT.format(code=code) + tokenizer.decode(piece[cut:])
-        context_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        inputs = pipe.preprocess(text, [QUESTION], answer_prefix="", max_context_length=10**9)
+        context_ids, question_ids = inputs["context_ids"], inputs["questions_ids"][0]
         continuation = torch.tensor([ids[start + cfg.context_tokens : start + span]])
-        contexts.append(Context(text, context_ids, continuation, code))
+        contexts.append(Context(context_ids, question_ids, continuation, code))
     return contexts
 
 
@@ -196,63 +201,61 @@ def layer_errors(model, full_cache, cache, queries: dict[int, torch.Tensor]) -> 
     return errors
 
 
+def measure(pipe, press, ctx: Context, cfg: Config, reference: dict | None = None) -> dict:
+    """One prefill under ``press`` (None: exact), then every metric on that cache.
+
+    The continuation is teacher-forced on a copy of the cache; the question is answered by kvpress's
+    own greedy loop (``pipe.generate_answer``) on the cache itself, as its pipeline does.
+    """
+    model, n = pipe.model, ctx.ids.shape[1]
+    recorder = QueryRecorder(model, cfg.probes) if press is None else None
+    cache, seconds = prefill(model, press, ctx.ids)
+    if recorder is not None:
+        recorder.remove()
+    result = dict(cache_mib=cache_bytes(cache) / 2**20, seconds=seconds)
+    result["logp"] = continuation_logprobs(model, copy.deepcopy(cache), n, ctx.continuation)
+    if reference is None:  # keep the exact cache as it is after the prefill: the reference of every layer error
+        result.update(queries=recorder.queries, cache=copy.deepcopy(cache), layer_errors=[0.0] * len(cache.layers))
+    else:
+        result["layer_errors"] = layer_errors(model, reference["cache"], cache, reference["queries"])
+    with torch.no_grad():
+        result["answer"] = pipe.generate_answer(ctx.question, cache, n, cfg.max_new_tokens)
+    return result
+
+
 def run(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """Measure every (press, kept fraction, context); returns (summary rows, per-layer rows)."""
+    """Measure every (press, kept fraction, context); returns (per-run rows, per-layer rows)."""
     model, tokenizer = load_model(cfg.model)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    contexts = make_contexts(tokenizer, cfg)
     records, layer_rows = [], []
-    for ci, ctx in enumerate(contexts):
-        recorder = QueryRecorder(model, cfg.probes)
-        full_cache, exact_time = prefill(model, None, ctx.ids)
-        recorder.remove()
-        exact_logp = continuation_logprobs(model, full_cache, ctx.ids.shape[1], ctx.continuation)
-        full_cache.crop(ctx.ids.shape[1])
-        exact_answer = pipe(ctx.text, question=QUESTION, max_new_tokens=cfg.max_new_tokens)["answer"]
-        records.append(
-            dict(
-                press="exact",
-                kept=1.0,
-                context=ci,
-                kl=0.0,
-                top1=1.0,
-                fact=found(ctx.code, exact_answer),
-                prefill_ratio=1.0,
-                cache_mib=cache_bytes(full_cache) / 2**20,
-                answer=exact_answer,
+    for ci, ctx in enumerate(make_contexts(pipe, cfg)):
+        exact = measure(pipe, None, ctx, cfg)
+        settings = [("exact", 1.0)] + [(name, kept) for name in cfg.presses for kept in cfg.kept]
+        print(f"[context {ci}] {ctx.ids.shape[1]} tokens, code {ctx.code}", flush=True)
+        for name, kept in settings:
+            press = make_press(name, kept, cfg.seed + ci)
+            out = exact if press is None else measure(pipe, press, ctx, cfg, reference=exact)
+            kl = torch.sum(exact["logp"].exp() * (exact["logp"] - out["logp"]), dim=-1)
+            records.append(
+                dict(
+                    press=name,
+                    kept=kept,
+                    context=ci,
+                    kl=kl.mean().item(),
+                    top1=(out["logp"].argmax(-1) == exact["logp"].argmax(-1)).float().mean().item(),
+                    fact=found(ctx.code, out["answer"]),
+                    prefill_ratio=out["seconds"] / exact["seconds"],
+                    cache_mib=out["cache_mib"],
+                    answer=out["answer"],
+                )
             )
-        )
-        print(f"[context {ci}] {ctx.ids.shape[1]} tokens, code {ctx.code}, exact answer {exact_answer!r}", flush=True)
-        for name in cfg.presses:
-            for kept in cfg.kept:
-                press = make_press(name, kept, cfg.seed + ci)
-                cache, seconds = prefill(model, press, ctx.ids)
-                size = cache_bytes(cache)
-                errors = layer_errors(model, full_cache, cache, recorder.queries)
-                logp = continuation_logprobs(model, cache, ctx.ids.shape[1], ctx.continuation)
-                kl = torch.sum(exact_logp.exp() * (exact_logp - logp), dim=-1)
-                answer = pipe(ctx.text, question=QUESTION, press=press, max_new_tokens=cfg.max_new_tokens)["answer"]
-                records.append(
-                    dict(
-                        press=name,
-                        kept=kept,
-                        context=ci,
-                        kl=kl.mean().item(),
-                        top1=(logp.argmax(-1) == exact_logp.argmax(-1)).float().mean().item(),
-                        fact=found(ctx.code, answer),
-                        prefill_ratio=seconds / exact_time,
-                        cache_mib=size / 2**20,
-                        answer=answer,
-                    )
-                )
-                layer_rows += [
-                    dict(press=name, kept=kept, context=ci, layer=i, rel_err=e) for i, e in enumerate(errors)
-                ]
-                print(
-                    f"  {name:<20} kept={kept:<5} KL={kl.mean().item():.4f} mean layer err="
-                    f"{statistics.mean(errors):.4f} answer={answer!r}",
-                    flush=True,
-                )
+            errors = out["layer_errors"]
+            layer_rows += [dict(press=name, kept=kept, context=ci, layer=i, rel_err=e) for i, e in enumerate(errors)]
+            print(
+                f"  {name:<20} kept={kept:<5} KL={kl.mean().item():.4f} layer err={statistics.mean(errors):.4f} "
+                f"answer={out['answer']!r}",
+                flush=True,
+            )
     return records, layer_rows
 
 

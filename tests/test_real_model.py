@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 import torch
+from transformers import pipeline
 
 from eval.fidelity import (
     Config,
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model_and_contexts(embedded_dir):
     model, tokenizer = load_model(str(embedded_dir))
-    contexts = make_contexts(tokenizer, Config(contexts=3, context_tokens=2000, continuation_tokens=48, seed=7))
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    contexts = make_contexts(pipe, Config(contexts=3, context_tokens=2000, continuation_tokens=48, seed=7))
     return model, contexts
 
 
