@@ -1,4 +1,4 @@
-"""Weighted attention (Alg. 3) on plain tensors: the PyTorch reference."""
+"""Weighted attention (Alg. 3) on plain tensors: the PyTorch reference and the backend dispatch (Triton kernel)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import math
 import torch
 
 from kvcompress._checks import check_float_tensor, check_int_range, check_positive
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 def weighted_attention(
@@ -19,6 +21,7 @@ def weighted_attention(
     v_min: torch.Tensor | None = None,
     v_max: torch.Tensor | None = None,
     causal_offset: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """WtdAttn (Alg. 3): ``clip(sum_l e^{s_l} v_l / sum_l e^{s_l} w_l, v_min, v_max)``, ``s_l = beta <q, k_l>``.
 
@@ -27,7 +30,15 @@ def weighted_attention(
     ``v_min`` / ``v_max``: optional ``[b, h_kv, d_v]`` clip range. Where the denominator is <= 0 the
     output is 0 before clipping. ``causal_offset=c``: query i may attend key j only if j <= c + i.
     Accumulates in float32 (float64 for float64 inputs); returns ``values.dtype``, ``[b, h_q, m, d_v]``.
+
+    ``backend``: ``"torch"`` (the PyTorch reference), ``"triton"`` (the split-K decode kernel in
+    ``kvcompress.kernels.weighted_decode``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``;
+    float16/bfloat16/float32, 1..16 new tokens, head dims multiples of 16 up to 256; raises ``ValueError``
+    outside that, ``ImportError`` without triton) or ``"auto"`` (the kernel for CUDA tensors it supports when
+    triton imports, else the reference).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     check_float_tensor("queries", queries, ndim=4)
     check_float_tensor("keys", keys, ndim=4)
     check_float_tensor("values", values, ndim=4)
@@ -55,6 +66,36 @@ def weighted_attention(
     if causal_offset is not None:
         check_int_range("causal_offset", causal_offset, 0)
 
+    if backend == "triton" or (backend == "auto" and queries.device.type == "cuda"):
+        try:
+            from kvcompress.kernels import weighted_decode
+        except ImportError as exc:
+            if backend == "triton":
+                raise ImportError("backend='triton' needs the triton package (pip install triton)") from exc
+        else:
+            reason = weighted_decode.unsupported_reason(queries, keys, values, weights, v_min, v_max)
+            if reason is None:
+                kwargs = {"scaling": scaling, "v_min": v_min, "v_max": v_max, "causal_offset": causal_offset}
+                return weighted_decode.weighted_decode_attention(queries, keys, values, weights, **kwargs)
+            if backend == "triton":
+                raise ValueError(f"backend='triton': {reason}; use backend='torch' or 'auto'")
+    return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset)
+
+
+def _weighted_attention_torch(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    scaling: float,
+    v_min: torch.Tensor | None,
+    v_max: torch.Tensor | None,
+    causal_offset: int | None,
+) -> torch.Tensor:
+    """The PyTorch reference of ``weighted_attention`` on validated inputs (any device, float32/float64 math)."""
+    batch, heads_q, m, dim = queries.shape
+    _, heads_kv, n, _ = keys.shape
+    d_v = values.shape[-1]
     compute = torch.float64 if torch.float64 in (queries.dtype, weights.dtype) else torch.float32
     group = heads_q // heads_kv
     q = queries.to(compute).reshape(batch, heads_kv, group * m, dim)

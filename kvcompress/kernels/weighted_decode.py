@@ -1,0 +1,310 @@
+"""Weighted decode attention (Alg. 3 of WildCat) as a split-K ("flash-decoding") Triton kernel.
+
+For each (batch, KV head) the output rows are the ``group * m`` (query head, new token) pairs of that KV
+head's GQA group, ``group = h_q // h_kv``. For row ``r`` (query head ``r // m``, token ``i = r % m``)::
+
+    s_l = scaling * <q_r, k_l>                     (key l visible iff l <= causal_offset + i)
+    out = clip( sum_l e^{s_l} v_l / sum_l e^{s_l} w_l , v_min, v_max ),   out = 0 where the denominator <= 0
+
+Bytes (the memory-bound limit): per (batch, KV head) the kernel must read ``K`` (``n * d`` elements), ``V``
+(``n * d_v``) and ``w`` (``n`` floats) once. Stage 1 reads each K/V/w tile exactly once and serves all query
+heads of the group and all new tokens with it (keys past ``causal_offset + m - 1`` are never read; only
+``group * m`` above 128 rows, 64 for head dims > 128, re-reads K/V once per extra row block). The rest
+is small for decode: the queries, the output, and per-split fp32 partials (``splits * rows * (d_v + 2)``
+floats written by stage 1 and read by stage 2, which merges the splits with log-sum-exp rescaling and
+applies Alg. 3's ``den <= 0 -> 0`` and the clip). With a single split, stage 1 writes the output itself (one launch).
+
+Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_NEW_TOKENS = 16  # m: one decode step, or a short chunk of new tokens (speculative / chunked prefill tail)
+MAX_HEAD_DIM = 256
+MAX_BLOCK_ROWS = 128  # rows (= group * m) per program; more rows -> a third grid axis over row blocks
+MIN_KEYS_PER_SPLIT = 256  # a split's partials (rows * (d_v + 2) fp32) stay <~ 10% of its K/V bytes
+MAX_SPLITS = 256
+SPLITS_PER_SM = 2  # target >= 2 programs per SM so that the loads of one hide the other's latency
+DEFAULT_SM_COUNT = 132  # H100 SXM; used when the device cannot be asked (CPU interpreter runs)
+REDUCE_CHUNK = 16  # splits merged per step in stage 2
+LOG2E = 1.4426950408889634
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
+
+
+@triton.jit
+def _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr):
+    """Alg. 3's tail: ``acc / den`` where ``den > 0``, else 0, then clip. fp32 ``acc [.., DV]``, ``den`` broadcast."""
+    positive = den > 0
+    out = tl.where(positive, acc / tl.where(positive, den, 1.0), 0.0)
+    if HAS_VMIN:
+        out = tl.maximum(out, tl.load(vmin_ptrs, mask=dv_mask, other=0.0).to(tl.float32))
+    if HAS_VMAX:
+        out = tl.minimum(out, tl.load(vmax_ptrs, mask=dv_mask, other=0.0).to(tl.float32))
+    return out
+
+
+@triton.jit
+def _weighted_decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr,
+    H_KV, N, ROWS, M, split_len, causal_offset, qk_scale,
+    s_qb, s_qh, s_qr, s_qd,
+    s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd,
+    s_wb, s_wh, s_wn,
+    s_lb, s_lh, s_ld,
+    s_ub, s_uh, s_ud,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Stage 1, one program per (batch * KV head, key split, row block).
+
+    Keys ``[split * split_len, min((split + 1) * split_len, N))`` in tiles of ``BLOCK_N``; running max
+    ``m`` (log2 units: ``qk_scale = scaling * log2(e)``), ``den = sum 2^(s - m) w``, ``acc = sum 2^(s - m) v``.
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    rblock = tl.program_id(2)
+    b = (bh // H_KV).to(tl.int64)
+    h = (bh % H_KV).to(tl.int64)
+
+    offs_r = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    r_mask = offs_r < ROWS
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+
+    q_ptrs = q_ptr + b * s_qb + h * s_qh + offs_r[:, None] * s_qr + offs_d[None, :] * s_qd
+    q = tl.load(q_ptrs, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    last_key = causal_offset + offs_r % M  # row r = (head r // m, token r % m) sees keys l <= last_key
+
+    k_base = k_ptr + b * s_kb + h * s_kh
+    v_base = v_ptr + b * s_vb + h * s_vh
+    w_base = w_ptr + b * s_wb + h * s_wh
+
+    m_i = tl.full([BLOCK_R], NEG_BIG, tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + offs_n0
+        n_mask = offs_n < hi
+        kt_ptrs = k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
+        kt = tl.load(kt_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # K^T tile [BLOCK_D, BLOCK_N]
+        v_ptrs = v_base + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+        w = tl.load(w_base + offs_n * s_wn, mask=n_mask, other=0.0).to(tl.float32)
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        # fp16/bf16: tensor-core dot with fp32 accumulation (exact products); fp32: "ieee", not tf32.
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+        visible = n_mask[None, :] & (offs_n[None, :] <= last_key[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # masked entries: exp2(-inf) = 0
+        den = den * alpha + tl.sum(p * w[None, :], 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if FINAL:  # a single split: finish here, no second launch
+        vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
+        vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
+        out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
+        o_ptrs = out_ptr + (bh.to(tl.int64) * ROWS + offs_r)[:, None] * DV + offs_dv[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
+    else:
+        part = (bh.to(tl.int64) * tl.num_programs(1) + split) * ROWS + offs_r
+        tl.store(mpart_ptr + part, m_i, mask=r_mask)
+        tl.store(dpart_ptr + part, den, mask=r_mask)
+        tl.store(npart_ptr + part[:, None] * DV + offs_dv[None, :], acc, mask=r_mask[:, None] & dv_mask[None, :])
+
+
+@triton.jit
+def _weighted_decode_reduce_kernel(
+    mpart_ptr, dpart_ptr, npart_ptr, vmin_ptr, vmax_ptr, out_ptr,
+    H_KV, ROWS, SPLITS,
+    s_lb, s_lh, s_ld,
+    s_ub, s_uh, s_ud,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr,
+):  # fmt: skip
+    """Stage 2, one program per output row: merge the splits' (m, den, acc) with 2^(m_s - M), then finish."""
+    row = tl.program_id(0).to(tl.int64)  # = bh * ROWS + r
+    bh = row // ROWS
+    r = row % ROWS
+    b = bh // H_KV
+    h = bh % H_KV
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    base = bh * SPLITS * ROWS + r  # partial of split s at base + s * ROWS
+
+    s_mask = offs_s < SPLITS
+    m_s = tl.load(mpart_ptr + base + offs_s * ROWS, mask=s_mask, other=float("-inf"))
+    d_s = tl.load(dpart_ptr + base + offs_s * ROWS, mask=s_mask, other=0.0)
+    n_ptrs = npart_ptr + (base + offs_s * ROWS)[:, None] * DV + offs_dv[None, :]
+    n_s = tl.load(n_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+    m_run = tl.max(m_s, 0)  # >= NEG_BIG (finite): split 0 always exists
+    scale = tl.exp2(m_s - m_run)
+    den = tl.sum(scale * d_s, 0)
+    acc = tl.sum(scale[:, None] * n_s, 0)
+    for s0 in range(BLOCK_S, SPLITS, BLOCK_S):
+        s_idx = s0 + offs_s
+        s_mask = s_idx < SPLITS
+        m_s = tl.load(mpart_ptr + base + s_idx * ROWS, mask=s_mask, other=float("-inf"))
+        d_s = tl.load(dpart_ptr + base + s_idx * ROWS, mask=s_mask, other=0.0)
+        n_ptrs = npart_ptr + (base + s_idx * ROWS)[:, None] * DV + offs_dv[None, :]
+        n_s = tl.load(n_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        alpha = tl.exp2(m_run - m_new)
+        scale = tl.exp2(m_s - m_new)
+        den = den * alpha + tl.sum(scale * d_s, 0)
+        acc = acc * alpha + tl.sum(scale[:, None] * n_s, 0)
+        m_run = m_new
+
+    vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
+    vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
+    out = _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
+    tl.store(out_ptr + row * DV + offs_dv, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
+
+
+def unsupported_reason(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    v_min: torch.Tensor | None = None,
+    v_max: torch.Tensor | None = None,
+) -> str | None:
+    """Why the kernel cannot run these (already validated) inputs, or None if it can."""
+    device = queries.device
+    if device.type != "cuda" and not INTERPRET:
+        return f"needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing triton kernels"
+    if queries.dtype not in SUPPORTED_DTYPES:
+        return f"queries/keys/values dtype must be float16, bfloat16 or float32, got {queries.dtype}"
+    for name, x in (("weights", weights), ("v_min", v_min), ("v_max", v_max)):
+        if x is not None and (x.dtype not in SUPPORTED_DTYPES or x.device != device):
+            return f"{name} must be float16/bfloat16/float32 on {device}, got {x.dtype} on {x.device}"
+    batch, _, m, dim = queries.shape
+    n, d_v = keys.shape[2], values.shape[3]
+    if not 1 <= m <= MAX_NEW_TOKENS:
+        return f"supports 1..{MAX_NEW_TOKENS} new tokens per call (queries m={m})"
+    for name, size in (("head dim d", dim), ("value dim d_v", d_v)):
+        if size % 16 or not 16 <= size <= MAX_HEAD_DIM:
+            return f"{name}={size} must be a multiple of 16 in [16, {MAX_HEAD_DIM}]"
+    if batch < 1 or n < 1:
+        return f"needs batch >= 1 and cache length n >= 1 (got batch={batch}, n={n})"
+    return None
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SM_COUNT
+
+
+def choose_num_splits(n: int, programs_per_split: int, block_n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Key-axis splits: enough programs for ``SPLITS_PER_SM * sm_count`` in total, but >= 256 keys per split.
+
+    ``programs_per_split = batch * h_kv * row_blocks``. Long caches with few (batch, KV head) pairs get many
+    splits (e.g. batch 1, 4 KV heads, n = 32k on 132 SMs: 66 splits of 512 keys); short caches or large
+    batches get one split and skip stage 2.
+    """
+    tiles = triton.cdiv(n, block_n)
+    max_splits = min(MAX_SPLITS, triton.cdiv(tiles, max(1, MIN_KEYS_PER_SPLIT // block_n)))
+    wanted = triton.cdiv(SPLITS_PER_SM * sm_count, programs_per_split)
+    return max(1, min(wanted, max_splits))
+
+
+def weighted_decode_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    scaling: float,
+    v_min: torch.Tensor | None = None,
+    v_max: torch.Tensor | None = None,
+    causal_offset: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries over a ``[b, h_kv, n, d]`` / ``[b, h_kv, n, d_v]`` cache.
+
+    ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; any strides. Inputs must already
+    be validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
+    ``unsupported_reason``. ``num_splits`` / ``block_n`` override the heuristics (tests, tuning). Accumulates
+    in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
+    """
+    reason = unsupported_reason(queries, keys, values, weights, v_min, v_max)
+    if reason is not None:
+        raise ValueError(f"weighted decode kernel: {reason}")
+    batch, heads_q, m, dim = queries.shape
+    _, heads_kv, n, _ = keys.shape
+    d_v = values.shape[3]
+    group = heads_q // heads_kv
+    rows = group * m
+    q = queries.reshape(batch, heads_kv, rows, dim)  # row r = (query head r // m of the group, token r % m)
+
+    # Keys past causal_offset + m - 1 are invisible to every row: never read them.
+    c = n if causal_offset is None else min(causal_offset, n)
+    n_read = min(n, c + m)
+    block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(d_v)
+    wide = max(block_d, block_dv) > 128
+    block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
+    row_blocks = triton.cdiv(rows, block_r)
+    if block_n is None:
+        block_n = 32 if wide else 64
+    if num_splits is None:
+        num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, _sm_count(queries.device))
+    split_len = triton.cdiv(triton.cdiv(n_read, block_n), num_splits) * block_n
+    num_splits = triton.cdiv(n_read, split_len)  # no empty splits
+
+    out = torch.empty(batch, heads_q, m, d_v, dtype=values.dtype, device=values.device)
+    final = num_splits == 1
+    if final:
+        mpart = dpart = npart = out  # unused
+    else:
+        mpart = torch.empty(batch * heads_kv, num_splits, rows, dtype=torch.float32, device=out.device)
+        dpart = torch.empty_like(mpart)
+        npart = torch.empty(batch * heads_kv, num_splits, rows, d_v, dtype=torch.float32, device=out.device)
+    lo_t = v_min if v_min is not None else out.new_zeros(1, 1, 1)
+    hi_t = v_max if v_max is not None else out.new_zeros(1, 1, 1)
+    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep bf16 tensor-core dots).
+    dot_fp32 = queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16)
+    num_warps = 8 if block_r * block_dv >= 128 * 128 else 4
+
+    _weighted_decode_split_kernel[(batch * heads_kv, num_splits, row_blocks)](
+        q, keys, values, weights, lo_t, hi_t, out, mpart, dpart, npart,
+        heads_kv, n_read, rows, m, split_len, c, scaling * LOG2E,
+        *q.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
+        D=dim, DV=d_v, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, FINAL=final, DOT_FP32=dot_fp32,
+        num_warps=num_warps, num_stages=2,
+    )  # fmt: skip
+    if not final:
+        _weighted_decode_reduce_kernel[(batch * heads_kv * rows,)](
+            mpart, dpart, npart, lo_t, hi_t, out,
+            heads_kv, rows, num_splits,
+            *lo_t.stride(), *hi_t.stride(),
+            DV=d_v, BLOCK_S=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dv,
+            HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None,
+            num_warps=4 if block_dv >= 256 else 2,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,167 @@
+"""Triton weighted decode kernel (kvcompress.kernels.weighted_decode) against the PyTorch reference.
+
+Runs on CPU through the Triton interpreter: TRITON_INTERPRET must be set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it, CPU interpreter mode)")
+
+import torch  # noqa: E402
+
+from kvcompress import weighted_attention  # noqa: E402
+from kvcompress.kernels import weighted_decode  # noqa: E402
+
+if not weighted_decode.INTERPRET and not torch.cuda.is_available():
+    pytest.skip("kernel module was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_inputs(batch, heads_q, heads_kv, m, n, d, dtype, *, clip=False, seed=0, d_v=None):
+    """Random decode inputs; some weights negative; KV head 0 of batch row 0 has only negative weights."""
+    gen = torch.Generator().manual_seed(seed)
+    d_v = d if d_v is None else d_v
+    q = torch.randn(batch, heads_q, m, d, generator=gen).to(dtype)
+    k = torch.randn(batch, heads_kv, n, d, generator=gen).to(dtype)
+    v = torch.randn(batch, heads_kv, n, d_v, generator=gen).to(dtype)
+    w = torch.rand(batch, heads_kv, n, generator=gen) * 2 - 0.3
+    w[0, 0] = -torch.rand(n, generator=gen) - 0.1  # denominator < 0 -> output 0 before clipping
+    bounds = {}
+    if clip:
+        bounds["v_min"] = -0.05 - 0.1 * torch.rand(batch, heads_kv, d_v, generator=gen)
+        bounds["v_max"] = 0.05 + 0.1 * torch.rand(batch, heads_kv, d_v, generator=gen)
+    return q, k, v, w, bounds
+
+
+def check_close(out, ref, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "dtype, d, heads_q, heads_kv, m, n, clip",
+    [
+        (torch.float32, 64, 2, 2, 1, 1000, False),  # group 1
+        (torch.float32, 128, 8, 2, 5, 1237, True),  # group 4, 5 new tokens
+        (torch.float16, 128, 7, 1, 5, 1237, True),  # group 7 (not a power of two)
+        (torch.float16, 64, 8, 2, 1, 1000, False),
+        (torch.bfloat16, 64, 7, 1, 1, 333, True),
+    ],
+)
+def test_triton_matches_torch_and_float64(dtype, d, heads_q, heads_kv, m, n, clip):
+    q, k, v, w, bounds = make_inputs(2, heads_q, heads_kv, m, n, d, dtype, clip=clip, seed=n + m)
+    kwargs = {"causal_offset": n - m, **bounds}
+    out = weighted_attention(q, k, v, w, backend="triton", **kwargs)
+    ref = weighted_attention(q, k, v, w, backend="torch", **kwargs)
+    assert out.dtype == dtype and out.shape == (2, heads_q, m, d)
+    check_close(out, ref, dtype)
+    exact = weighted_attention(q.double(), k.double(), v.double(), w.double(), backend="torch", **kwargs)
+    check_close(ref, exact, dtype)
+    group = heads_q // heads_kv
+    negative_head = out[0, :group].float()  # KV head 0 of batch row 0: den < 0 -> 0, then clipped
+    expected = torch.zeros_like(negative_head)
+    if clip:
+        expected = expected.clamp(bounds["v_min"][0, 0], bounds["v_max"][0, 0]).to(dtype).float()
+    assert torch.equal(negative_head, expected)
+
+
+def test_split_counts_and_early_causal_offset_agree():
+    """One split (single-launch path), a few, and > 16 splits (chunked merge); keys past c + m - 1 unread."""
+    q, k, v, w, bounds = make_inputs(2, 8, 2, 3, 1237, 64, torch.float32, clip=True, seed=7)
+    for offset in (1234, 600):
+        ref = weighted_attention(q, k, v, w, causal_offset=offset, backend="torch", **bounds)
+        for splits in (1, 3, 20):
+            out = weighted_decode.weighted_decode_attention(
+                q, k, v, w, scaling=0.125, causal_offset=offset, num_splits=splits, block_n=64, **bounds
+            )
+            check_close(out, ref, torch.float32)
+    ref = weighted_attention(q, k, v, w, backend="torch")  # no causal rule: every key visible
+    check_close(weighted_attention(q, k, v, w, backend="triton"), ref, torch.float32)
+
+
+def test_many_rows_strided_cache_and_odd_dims():
+    """group * m = 256 rows (two row blocks); a [b, n, h, d] cache viewed as [b, h, n, d]; d = 80, d_v = 48."""
+    batch, heads_kv, n = 2, 1, 150
+    q, _, _, w, _ = make_inputs(batch, 16, heads_kv, 16, n, 80, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(batch, n, heads_kv, 80, generator=gen).transpose(1, 2)
+    v = torch.randn(batch, n, heads_kv, 48, generator=gen).transpose(1, 2)
+    w = w.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous weights, same values
+    out = weighted_attention(q, k, v, w, causal_offset=n - 16, backend="triton")
+    check_close(out, weighted_attention(q, k, v, w, causal_offset=n - 16, backend="torch"), torch.float32)
+
+
+def test_auto_uses_torch_on_cpu(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("auto must not call the kernel on CPU tensors")
+
+    monkeypatch.setattr(weighted_decode, "weighted_decode_attention", fail)
+    q, k, v, w, bounds = make_inputs(1, 4, 2, 1, 50, 16, torch.float32, clip=True)
+    out = weighted_attention(q, k, v, w, **bounds)
+    assert torch.equal(out, weighted_attention(q, k, v, w, backend="torch", **bounds))
+
+
+@pytest.mark.parametrize("backend", ["cuda", "Triton", "", None])
+def test_bad_backend_raises(backend):
+    q, k, v, w, _ = make_inputs(1, 2, 1, 1, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        weighted_attention(q, k, v, w, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"m": 17}, "new tokens"),
+        ({"d": 8}, "head dim"),
+        ({"d": 40}, "head dim"),
+        ({"d": 272}, "head dim"),
+        ({"d_v": 24}, "value dim"),
+        ({"dtype": torch.float64}, "dtype"),
+        ({"weights": torch.float64}, "weights"),
+    ],
+)
+def test_triton_unsupported_inputs_raise(change, match):
+    shape = {"m": 1, "d": 16, "d_v": None, "dtype": torch.float32}
+    shape.update({key: val for key, val in change.items() if key != "weights"})
+    q, k, v, w, _ = make_inputs(1, 2, 1, shape["m"], 20, shape["d"], shape["dtype"], d_v=shape["d_v"])
+    w = w.to(change.get("weights", torch.float32))
+    with pytest.raises(ValueError, match=rf"backend='triton'.*{match}"):
+        weighted_attention(q, k, v, w, backend="triton")
+    out = weighted_attention(q, k, v, w)  # auto falls back to the reference
+    assert torch.equal(out, weighted_attention(q, k, v, w, backend="torch"))
+
+
+def test_triton_needs_cuda_outside_interpreter(monkeypatch):
+    monkeypatch.setattr(weighted_decode, "INTERPRET", False)
+    q, k, v, w, _ = make_inputs(1, 2, 1, 1, 20, 16, torch.float32)
+    with pytest.raises(ValueError, match="CUDA"):
+        weighted_attention(q, k, v, w, backend="triton")
+
+
+def test_triton_without_triton_raises_import_error(monkeypatch):
+    import kvcompress.kernels
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # a fresh import of the kernel module now fails
+    monkeypatch.delitem(sys.modules, "kvcompress.kernels.weighted_decode")
+    monkeypatch.delattr(kvcompress.kernels, "weighted_decode")
+    q, k, v, w, _ = make_inputs(1, 2, 1, 1, 20, 16, torch.float32)
+    with pytest.raises(ImportError, match="triton"):
+        weighted_attention(q, k, v, w, backend="triton")
+    assert torch.equal(weighted_attention(q, k, v, w), weighted_attention(q, k, v, w, backend="torch"))
+
+
+def test_choose_num_splits():
+    # batch 1, 4 KV heads, 32k keys, 132 SMs: ~2 programs per SM.
+    assert weighted_decode.choose_num_splits(32768, 4, 64, 132) == 66
+    # Short caches keep >= 256 keys per split; large batches need no split.
+    assert weighted_decode.choose_num_splits(300, 4, 64, 132) == 2
+    assert weighted_decode.choose_num_splits(32768, 512, 64, 132) == 1
+    assert weighted_decode.choose_num_splits(10**7, 1, 64, 132) == weighted_decode.MAX_SPLITS
