@@ -176,6 +176,7 @@ def compress_kv(
     scaling: float | None = None,
     query_radius: float | torch.Tensor | None = None,
     seed: int | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CompressKV (Alg. 2): a weighted coreset of ``rank`` rows for keys/values ``[..., n, d]``.
 
@@ -187,7 +188,14 @@ def compress_kv(
     Returns ``K_S [..., rank, d]`` (the ORIGINAL selected keys, in ``keys.dtype``), ``V_S = W V``
     ``[..., rank, d_v]`` (``values.dtype``) and ``w = W 1`` ``[..., rank]`` (float32; float64 for float64
     input). Rows of a bin whose residual ran out early are inert: ``w = 0`` and ``V_S = 0``.
+
+    ``backend``: ``"torch"`` (this reference), ``"triton"`` (one fused kernel launch, see
+    :mod:`kvcompress.kernels.rpnys`: same draws, hence the same pivots up to float32 rounding; fp16 / bf16 /
+    fp32 inputs, ``rank // bins <= 32``, bins of <= 256 rows) or ``"auto"`` (triton for CUDA tensors it
+    supports when triton imports, else torch).
     """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
     check_float_tensor("keys", keys, min_dim=2)
     check_float_tensor("values", values, min_dim=2)
     if values.dtype != keys.dtype or values.device != keys.device:
@@ -217,6 +225,11 @@ def compress_kv(
         raise ValueError(f"seed: must be an int or None, got {seed!r}")
     check_finite("keys", keys)
     check_finite("values", values)
+    if _use_triton(backend, keys, values, bins, per_bin):
+        result = _compress_kv_triton(keys, values, rank, bins, scaling, query_radius, seed)
+        if bool(torch.isfinite(result[2]).all()):
+            return result
+        # exp(|y|^2 / 2) overflowed float32 in the kernel: the reference below redoes it in float64 (same draws).
 
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     problems = math.prod(lead)
@@ -265,6 +278,55 @@ def compress_kv(
         selected_keys.reshape(*lead, rank, dim),
         compressed_values.reshape(*lead, rank, values.shape[-1]).to(values.dtype),
         row_weights.reshape(*lead, rank).to(w_dtype),
+    )
+
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def _use_triton(backend: str, keys: torch.Tensor, values: torch.Tensor, bins: int, bin_rank: int) -> bool:
+    """Resolve ``backend`` for validated inputs: True runs the Triton kernel; "triton" raises if it cannot."""
+    if backend == "torch" or (backend == "auto" and keys.device.type != "cuda"):
+        return False
+    try:
+        from kvcompress.kernels import rpnys as rpnys_kernel
+    except ImportError as err:
+        if backend == "auto":
+            return False
+        raise ValueError(f"backend: 'triton' needs the triton package ({err})") from err
+    reason = rpnys_kernel.unsupported(keys, values, bins, bin_rank)
+    if reason is not None and backend == "triton":
+        raise ValueError(f"backend: the 'triton' kernel {reason}; use backend='torch'")
+    return reason is None
+
+
+def _compress_kv_triton(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rank: int,
+    bins: int,
+    scaling: float,
+    query_radius: float | torch.Tensor | None,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`compress_kv` through the fused kernel; the mean key is the only work done here."""
+    from kvcompress.kernels.rpnys import rpnys_compress
+
+    *lead, n, dim = keys.shape
+    problems = math.prod(lead)
+    flat_keys = keys.reshape(problems, n, dim)
+    flat_values = values.reshape(problems, n, values.shape[-1])
+    mean = flat_keys.mean(1, dtype=torch.float32)
+    radius = None
+    if query_radius is not None:
+        radius = _query_radius_tensor(query_radius, lead, keys.device).reshape(problems)
+    selected_keys, compressed_values, row_weights = rpnys_compress(
+        flat_keys, flat_values, mean, rank, bins, scaling, radius, rng.seed_key(seed)
+    )
+    return (
+        selected_keys.reshape(*lead, rank, dim),
+        compressed_values.reshape(*lead, rank, values.shape[-1]),
+        row_weights.reshape(*lead, rank),
     )
 
 

@@ -1,0 +1,97 @@
+"""eval/speed.py in smoke mode on CPU: every section runs and reports positive numbers."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from eval import speed
+
+TINY = [
+    "--device", "cpu", "--smoke", "--dtype", "float32",
+    "--compress-n", "384", "--decode-lengths", "256", "--decode-batches", "1", "2", "--decode-heads", "2x2",
+    "--prefill-lengths", "384", "--decode-context", "384", "--decode-tokens", "2", "--repeats", "2",
+]  # fmt: skip
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def test_smoke_run_writes_every_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    output = tmp_path / "speed.json"
+    assert speed.main([*TINY, "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    for title in ("[bandwidth]", "[kernels] compress_kv", "[kernels] weighted_attention", "[e2e] prefill",
+                  "[e2e] decode", "[e2e] attention part", "[goals]"):  # fmt: skip
+        assert title in printed
+    data = json.loads(output.read_text())
+    assert data["smoke"] is True and data["device_type"] == "cpu" and data["device"].startswith("cpu")
+    assert data["dtype"] == "float32"
+    assert set(data["section_s"]) == {"bandwidth", "kernels", "e2e"}
+
+    bandwidth = data["bandwidth"]
+    assert all(positive(bandwidth[k]) for k in ("gbps", "best_gbps", "median_s", "bytes_moved"))
+
+    compress = data["kernels"]["compress_kv"]
+    decode = data["kernels"]["weighted_attention"]
+    assert [r["backend"] for r in compress] == ["torch"]  # triton is CUDA-only: skipped with a note
+    assert {r["backend"] for r in decode} == {"torch", "sdpa"} and len(decode) == 4
+    for row in compress + decode:
+        assert "error" not in row, row
+        assert all(positive(row[k]) for k in ("median_s", "gbps", "roofline", "bytes")), row
+    assert compress[0]["rank"] == 96 and compress[0]["bins"] == 8  # 25% of 384 rows, 12 pivots per bin
+
+    e2e = data["e2e"]
+    assert positive(e2e["model"]["parameters"]) and e2e["model"]["config"]["num_hidden_layers"] == 2
+    assert [r["press"] for r in e2e["prefill"]] == ["none", "snapkv", "compresskv"]
+    assert [r["variant"] for r in e2e["decode"]] == ["full/sdpa", "snapkv/sdpa", "compresskv/kvcompress"]
+    calls = {(r["variant"], r["call"]) for r in e2e["attention"]}
+    assert ("full/sdpa", "model:sdpa") in calls and ("compresskv/kvcompress", "model:kvcompress") in calls
+    assert ("compresskv/kvcompress", "raw:weighted_attention[torch]") in calls
+    for row in e2e["prefill"] + e2e["decode"] + e2e["attention"]:
+        assert "error" not in row, row
+        assert positive(row["median_s"]), row
+    for row in e2e["decode"]:
+        assert positive(row["tokens_per_s"]) and positive(row["cache_gib"]), row
+        assert row["peak_decode_gib"] is None  # CUDA-only measurement
+    full, _, compressed = e2e["decode"]
+    assert compressed["cache_rows"] <= 384 // 4 < full["cache_rows"] == 384
+
+    goals = data["goals"]
+    assert {"prefill_overhead", "decode_roofline", "attention_speedup", "note"} <= set(goals)
+    assert positive(goals["attention_speedup"]["model_path"])
+    assert any("triton" in note for note in data["notes"])
+
+
+def test_backend_keyword_is_passed_when_present(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a ``backend`` keyword (the planned interface) each row calls the backend it names."""
+    seen: list[str] = []
+
+    def with_backend(fn):
+        def wrapper(*args, backend: str = "auto", **kwargs):
+            seen.append(f"{fn.__name__}:{backend}")
+            return fn(*args, **kwargs)
+
+        wrapper.__name__ = fn.__name__
+        wrapper.__signature__ = inspect.signature(wrapper)
+        return wrapper
+
+    monkeypatch.setattr(speed, "compress_kv", with_backend(speed.compress_kv))
+    monkeypatch.setattr(speed, "weighted_attention", with_backend(speed.weighted_attention))
+    output = tmp_path / "kernels.json"
+    argv = [*TINY, "--only", "kernels", "--backends", "auto", "torch", "--output", str(output)]
+    assert speed.main(argv) == 0
+    data = json.loads(output.read_text())
+    assert data["backend_keyword"] == {"compress_kv": True, "weighted_attention": True}
+    assert "e2e" not in data and "bandwidth" in data  # the roofline denominator is always measured
+    assert {"compress_kv:auto", "compress_kv:torch", "weighted_attention:auto", "weighted_attention:torch"} == set(seen)
+    assert [r["backend"] for r in data["kernels"]["compress_kv"]] == ["auto", "torch"]
+
+
+def test_cpu_without_smoke_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="--smoke"):
+        speed.main(["--device", "cpu", "--only", "bandwidth"])
