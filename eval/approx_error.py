@@ -41,12 +41,12 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
+from eval.config import load_yaml
 from kvcompress import compress_kv, weighted_attention
 
 FAMILIES = ("gaussian", "heavy_tailed")
@@ -55,7 +55,6 @@ METHODS = ("compresskv", "compresskv_binned", "uniform", "uniform_weighted", "to
 EXTRA_METHODS = ("zero",)
 STYLES = {"uniform_weighted": {"linestyle": "--", "mfc": "none"}, "zero": {"linestyle": ":", "color": "grey"}}
 DEFAULT_CONFIG = Path("configs/approx_error.yaml")
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CSV_COLUMNS = ("family", "method", "rank", "bins", "max_err", "max_err_std", "rel_fro", "rel_fro_std")
 
 
@@ -346,30 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_yaml(path: Path | None) -> dict:
-    """The YAML mapping at ``path`` (hyphens in keys read as underscores); {} when the default file is absent."""
-    explicit = path is not None
-    path = path or DEFAULT_CONFIG
-    if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
-        path = REPO_ROOT / path
-    if not path.exists():
-        if explicit:
-            raise FileNotFoundError(f"--config: {path} does not exist")
-        return {}
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise TypeError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = set(data) - {f.name for f in fields(Config)}
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-    return data
-
-
 def resolve_config(argv: list[str] | None = None) -> Config:
     """Built-in defaults < YAML config < command-line flags, validated."""
     args = vars(build_parser().parse_args(argv))
-    merged = {**load_yaml(args.pop("config")), **{k: v for k, v in args.items() if v is not None}}
+    merged = {
+        **load_yaml(args.pop("config"), DEFAULT_CONFIG, Config),
+        **{k: v for k, v in args.items() if v is not None},
+    }
     cfg = Config(**merged)
     for name in ("families", "methods"):
         bad = set(getattr(cfg, name)) - set(FAMILIES if name == "families" else METHODS + EXTRA_METHODS)

@@ -38,6 +38,7 @@ from kvpress.utils import get_prerope_query_states
 from transformers import DynamicCache, pipeline
 from transformers.models.llama.modeling_llama import rotate_half
 
+from eval.config import load_yaml
 from eval.models import load_model
 from kvcompress import CompressKVPress, UniformPress, weighted_attention
 from kvcompress.cache import WeightedLayer
@@ -293,20 +294,18 @@ def markdown(table: list[dict]) -> str:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
+    """Built-in defaults < YAML config (``--config``, default configs/fidelity.yaml) < command-line flags."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--config", type=Path, default=None, help=f"YAML with the same keys (default {DEFAULT_CONFIG})")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.name in ("presses", "kept"):
             parser.add_argument(flag, nargs="+", type=float if f.name == "kept" else str)
         else:
             parser.add_argument(flag, type=str if f.name in ("model", "output_dir") else int)
-    args = parser.parse_args(argv)
-    values = yaml.safe_load(args.config.read_text()) if args.config.exists() else {}
-    values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
-    unknown = set(values) - {f.name for f in fields(Config)}
-    if unknown:
-        parser.error(f"unknown config keys: {sorted(unknown)}")
+    args = vars(parser.parse_args(argv))
+    values = load_yaml(args.pop("config"), DEFAULT_CONFIG, Config)
+    values.update({k: v for k, v in args.items() if v is not None})
     return Config(**values)
 
 

@@ -35,17 +35,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 
+from eval.config import load_yaml
 from kvcompress import compress_kv, weighted_attention
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = Path("configs/speed.yaml")
 SECTIONS = ("bandwidth", "kernels", "e2e")
 BACKENDS = ("auto", "torch", "triton")
@@ -925,30 +924,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_yaml(path: Path | None) -> dict[str, Any]:
-    """The YAML mapping at ``path`` (hyphens in keys read as underscores); {} when the default file is absent."""
-    explicit = path is not None
-    path = path or DEFAULT_CONFIG
-    if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
-        path = REPO_ROOT / path
-    if not path.exists():
-        if explicit:
-            raise FileNotFoundError(f"--config: {path} does not exist")
-        return {}
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise TypeError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = set(data) - {f.name for f in fields(Config)}
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-    return data
-
-
 def resolve_config(argv: list[str] | None = None) -> Config:
     """Built-in defaults < YAML config < smoke preset < command-line flags, validated."""
     args = vars(build_parser().parse_args(argv))
-    merged = load_yaml(args.pop("config"))
+    merged = load_yaml(args.pop("config"), DEFAULT_CONFIG, Config)
     model_layers = args.pop("model_layers")
     flags = {k: v for k, v in args.items() if v is not None}
     if "only" in flags:
