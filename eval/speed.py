@@ -44,10 +44,10 @@ import torch.nn.functional as F
 
 from eval.config import load_yaml
 from kvcompress import compress_kv, weighted_attention
+from kvcompress._checks import BACKENDS
 
 DEFAULT_CONFIG = Path("configs/speed.yaml")
 SECTIONS = ("bandwidth", "kernels", "e2e")
-BACKENDS = ("auto", "torch", "triton")
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,

@@ -34,3 +34,12 @@ def check_positive(name: str, value: object) -> float:
 def check_finite(name: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name}: contains NaN or Inf")
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def check_backend(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    return backend

@@ -6,9 +6,7 @@ import math
 
 import torch
 
-from kvcompress._checks import check_float_tensor, check_int_range, check_positive
-
-BACKENDS = ("auto", "torch", "triton")
+from kvcompress._checks import check_backend, check_float_tensor, check_int_range, check_positive
 
 
 def weighted_attention(
@@ -37,8 +35,7 @@ def weighted_attention(
     outside that, ``ImportError`` without triton) or ``"auto"`` (the kernel for CUDA tensors it supports when
     triton imports, else the reference).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     check_float_tensor("queries", queries, ndim=4)
     check_float_tensor("keys", keys, ndim=4)
     check_float_tensor("values", values, ndim=4)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress import rng
-from kvcompress._checks import check_finite, check_float_tensor, check_int_range, check_positive
+from kvcompress._checks import check_backend, check_finite, check_float_tensor, check_int_range, check_positive
 
 # Residual diagonal of the Gaussian kernel (its diagonal is 1) below which a bin counts as exhausted.
 _EXHAUSTED = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -194,8 +194,7 @@ def compress_kv(
     fp32 inputs, ``rank // bins <= 32``, bins of <= 256 rows) or ``"auto"`` (triton for CUDA tensors it
     supports when triton imports, else torch).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
+    check_backend(backend)
     check_float_tensor("keys", keys, min_dim=2)
     check_float_tensor("values", values, min_dim=2)
     if values.dtype != keys.dtype or values.device != keys.device:
@@ -279,9 +278,6 @@ def compress_kv(
         compressed_values.reshape(*lead, rank, values.shape[-1]).to(values.dtype),
         row_weights.reshape(*lead, rank).to(w_dtype),
     )
-
-
-_BACKENDS = ("auto", "torch", "triton")
 
 
 def _use_triton(backend: str, keys: torch.Tensor, values: torch.Tensor, bins: int, bin_rank: int) -> bool:
