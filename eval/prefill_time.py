@@ -8,7 +8,6 @@ an external process timer). ``--press none`` stops after loading, to subtract th
 from __future__ import annotations
 
 import argparse
-import time
 
 from transformers import pipeline
 
