@@ -1,0 +1,341 @@
+"""The LongBench-E command line (eval/longbench.py) and the offline suite, at tiny sizes.
+
+Model runs use the embedded SmolLM2-135M-Instruct with short prompts (--max-context-length) and short
+answers (--max-new-tokens); nothing is read from the Hub.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eval import longbench, offline_suite
+from eval.longbench import Config, Example
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "eval" / "longbench.py"
+SMOKE = ["--max-context-length", "400", "--max-new-tokens", "6", "--threads", "1"]  # 1 thread: cores are shared
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """In-process runs set torch's thread count (--threads); give the rest of the session its own back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python eval/longbench.py ARGS`` (the script form) offline, from another directory."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    full_env.pop("PYTHONPATH", None)  # the script must find the repository by itself
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd="/"
+    )
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """Cells of the first Markdown table."""
+    rows = []
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif rows:
+            break
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ units
+
+
+class CharTokenizer:
+    """One token per character (enough for the truncation arithmetic)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_prompts_split_longbench_templates_into_context_question_and_prefix():
+    for task in longbench.LONGBENCH_TASKS:
+        question = "Q?" + ("\nType:" if task == "trec" else "\nAnswer:" if task == "triviaqa" else "")
+        question = question + "\nSummary:" if task == "samsum" else question
+        context, rest, prefix = longbench.split_prompt(task, "CTX {x}", question)
+        full = longbench.PROMPTS[task].replace("{context}", "CTX {x}").replace("{input}", question)
+        assert context + rest + prefix == full  # nothing lost or added, braces survive
+        assert "CTX {x}" in context and "CTX" not in rest
+        assert prefix == longbench.ANSWER_PREFIXES[task] and not rest.startswith("\n")
+    assert longbench.split_prompt("lcc", "x = 1\n", "") == (
+        "Please complete the code given below. \nx = 1\n",
+        "",
+        "Next line of code:\n",
+    )
+
+
+def test_middle_truncation_keeps_both_ends_and_the_question():
+    example = Example("qasper", 0, "#0", "a" * 50 + "b" * 50, "QQQQ", "A:", ["x"], None, 10)
+    kept, tokens, truncated = longbench.truncate_middle(CharTokenizer(), example, 40)
+    assert truncated and tokens == 40
+    assert kept == "a" * 20 + "b" * 14  # first 40 // 2 prompt tokens, last 20 = 14 context + 6 question/prefix
+    assert longbench.truncate_middle(CharTokenizer(), example, 1000) == (example.context, 106, False)
+
+
+def test_fraction_is_seeded_and_limit_takes_the_first():
+    examples = [Example("qasper", i, f"#{i}", "", "", "", [], None, 0) for i in range(40)]
+    first = longbench.select(examples, Config(fraction=0.25, seed=3))
+    assert len(first) == 10 and [e.index for e in first] == sorted(e.index for e in first)
+    assert first == longbench.select(examples, Config(fraction=0.25, seed=3))
+    assert first != longbench.select(examples, Config(fraction=0.25, seed=4))
+    assert [e.index for e in longbench.select(examples, Config(limit=3))] == [0, 1, 2]
+
+
+def test_markdown_has_table4_layout_partial_marks_and_the_paper_rows():
+    plan = {"qasper": [None] * 2, "trec": [None] * 3}
+    done = {"n": 2, "n_expected": 2, "complete": True, "overall": 40.0, "0-4k": 40.0, "4-8k": None, "8k+": None}
+    half = {"n": 1, "n_expected": 3, "complete": False, "overall": 50.0, "0-4k": 50.0, "4-8k": None, "8k+": None}
+    buckets = {"0-4k": 45.0, "4-8k": None, "8k+": None}
+    results = {
+        "exact": {"tasks": {"qasper": done, "trec": done}, "average": 40.0, "buckets": buckets, "complete": True},
+        "compresskv": {"tasks": {"qasper": done, "trec": half}, "average": 45.0, "buckets": buckets, "complete": False},
+    }
+    text = longbench.markdown(Config(model="Qwen/Qwen2.5-7B-Instruct"), plan, results)
+    assert text.splitlines()[0].endswith("(partial)") and "**Partial results**" in text
+    rows = table_rows(text)
+    assert rows[0] == ["Method", "qasper", "trec", "Average"]
+    assert rows[2] == ["Exact", "40.00", "40.00", "40.00"]
+    assert rows[3] == ["CompressKV", "40.00", "50.00 (partial 1/3)", "45.00 (partial)"]
+    paper = text[text.index("## Paper, Table 4") :]
+    assert "| CompressKV | 33.23 | 54.33 | 43.78 |" in paper
+    assert "Paper" not in longbench.markdown(Config(), plan, results)  # other models: no reference rows
+
+
+def test_offline_suite_is_deterministic_and_committed(tmp_path):
+    committed = offline_suite.ensure_suite()
+    for task, spec in offline_suite.TASKS.items():
+        rows = lines(committed[task])
+        assert len(rows) >= 2 and len({r["_id"] for r in rows}) == len(rows)
+        assert all(r["length"] == len(r["context"].split()) and r["answers"] for r in rows)
+        assert [r["length"] for r in rows][0] <= [r["length"] for r in rows][-1]  # shortest first
+        assert longbench.split_prompt(task, "C", "Q")[2] == spec.answer_prefix
+    again = offline_suite.build_task("py_qa", examples=2, seed=5)
+    assert again == offline_suite.build_task("py_qa", examples=2, seed=5)
+    fact = again[0]["answers"][0]
+    assert fact in again[0]["context"]
+    count = offline_suite.build_task("py_count", examples=1)[0]
+    paragraphs = [p.split(": ", 1)[1] for p in count["context"].split("\n\n")]
+    assert len(set(paragraphs)) == int(count["answers"][0]) < len(paragraphs)
+
+
+# -------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tasks", "nope"], "--tasks: unknown task 'nope'"),
+        (["--methods", "exact", "h2o"], "--methods: unknown method 'h2o'"),
+        (["--ratio", "0"], "--ratio"),
+        (["--ratio", "1.5"], "--ratio"),
+        (["--ratio", "abc"], "--ratio"),
+        (["--data-dir", "/nonexistent/longbench"], "--data-dir"),
+        (["--config", "/nonexistent/run.yaml"], "--config"),
+    ],
+)
+def test_bad_input_is_one_error_line(tmp_path, args, message):
+    out = tmp_path / "out"
+    result = cli(*args, "--output-dir", str(out))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and message in result.stderr
+    assert not out.exists()
+
+
+def test_data_dir_without_the_task_file(tmp_path):
+    result = cli("--data-dir", str(tmp_path), "--tasks", "qasper", "--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 2 and result.stderr.startswith("error: --data-dir: neither qasper.jsonl")
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model", ["not_a_model", "missing"])
+def test_model_path_that_is_not_a_model_is_one_error_line(tmp_path, model):
+    (tmp_path / "not_a_model").mkdir()
+    out = tmp_path / "out"
+    result = cli("--model", str(tmp_path / model), "--output-dir", str(out))
+    assert result.returncode == 2 and result.stderr.startswith("error: --model: ") and result.stderr.count("\n") == 1
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_unloadable_model_is_one_error_line(tmp_path):
+    out = tmp_path / "out"
+    result = cli("--model", "no-such-org/no-such-model", "--tasks", "py_qa", "--output-dir", str(out))  # Hub offline
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --model: cannot load 'no-such-org/no-such-model'"), result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert not (out / "results.md").exists() and not (out / "scores.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+@pytest.mark.slow
+def test_offline_suite_end_to_end_then_resume(tmp_path, embedded_dir):
+    out = tmp_path / "run"
+    args = ["--methods", "exact", "compresskv", "--limit", "1", "--output-dir", str(out), *SMOKE]
+    first = cli(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    tasks = list(offline_suite.TASKS)
+    for method in ("exact", "compresskv"):
+        for task in tasks:
+            (record,) = lines(out / "predictions" / method / f"{task}.jsonl")
+            assert record["method"] == method and record["task"] == task and record["truncated"]
+    scores = json.loads((out / "scores.json").read_text())
+    assert scores["complete"] and scores["ratio"] == 0.25 and scores["tasks"] == tasks
+    assert all(0 <= scores["results"][m]["tasks"][t]["overall"] <= 100 for m in ("exact", "compresskv") for t in tasks)
+    rows = table_rows((out / "results.md").read_text())
+    assert rows[0] == ["Method", *tasks, "Average"]
+    assert [r[0] for r in rows[2:]] == ["Exact", "CompressKV"] and "partial" not in (out / "results.md").read_text()
+    assert rows[2][-1] == f"{scores['results']['exact']['average']:.2f}"
+    assert rows[0] == table_rows(first.stdout)[0]  # the table is printed too
+    with open(out / "scores.csv", newline="") as handle:
+        csv_rows = list(csv.DictReader(handle))
+    assert {(r["method"], r["task"], r["bucket"]) for r in csv_rows} >= {("exact", "average", "overall")}
+    assert len(csv_rows) == 2 * (len(tasks) + 1) * 4
+    assert (out / "scores.png").read_bytes()[:4] == b"\x89PNG"
+
+    # Resume: everything is there, so no model is loaded and nothing is appended.
+    sizes = {p: p.stat().st_size for p in (out / "predictions").rglob("*.jsonl")}
+    tick = time.perf_counter()
+    again = cli(*args)
+    assert again.returncode == 0 and "0 predictions to make" in again.stderr and "loading" not in again.stderr
+    assert time.perf_counter() - tick < 30
+    assert {p: p.stat().st_size for p in (out / "predictions").rglob("*.jsonl")} == sizes
+
+    # A run killed mid-line: the scores say partial until the rerun completes the missing example.
+    path = out / "predictions" / "compresskv" / "py_qa.jsonl"
+    path.write_text(path.read_text()[:40])
+    partial = cli(*args, "--score-only")
+    assert partial.returncode == 1
+    assert "(partial 0/1)" in (out / "results.md").read_text() and "(partial)" in (out / "results.md").read_text()
+    assert not json.loads((out / "scores.json").read_text())["complete"]
+    done = cli(*args)
+    assert done.returncode == 0 and "1 predictions to make" in done.stderr
+    assert len(lines(path)) == 1 and json.loads((out / "scores.json").read_text())["complete"]
+
+    # Other settings cannot be mixed into this directory.
+    clash = cli(*args, "--ratio", "0.5")
+    assert clash.returncode == 2 and "ratio=0.25" in clash.stderr and clash.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_data_dir_and_hub_layout_on_local_files(tmp_path, embedded_dir, monkeypatch):
+    """LongBench's raw columns from --data-dir, kvpress's processed columns through datasets.load_dataset."""
+    paragraphs = "\n\n".join(
+        f"Paragraph {i}: The {w} is the color of item number {i}." for i, w in enumerate(["red", "blue", "green"], 1)
+    )
+    raw = [
+        {
+            "input": "The green item.",
+            "context": paragraphs,
+            "answers": ["Paragraph 3"],
+            "length": 40,
+            "all_classes": None,
+            "_id": "r1",
+            "dataset": "passage_retrieval_en_e",
+            "language": "en",
+        },
+        {
+            "input": "The red item.",
+            "context": paragraphs,
+            "answers": ["Paragraph 1"],
+            "length": 5000,
+            "all_classes": None,
+            "_id": "r2",
+            "dataset": "passage_retrieval_en_e",
+            "language": "en",
+        },
+    ]
+    trec = {
+        "input": "Question: Who painted the Mona Lisa?\nType:",
+        "context": "Question: Who wrote Hamlet?\nType: Individual\nQuestion: Where is Lyon?\nType: City",
+        "answers": ["Individual"],
+        "length": 20,
+        "all_classes": ["Individual", "City", "Date"],
+        "_id": "t1",
+    }
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "passage_retrieval_en.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw))
+    (data / "trec_e.jsonl").write_text(json.dumps(trec) + "\n")
+    base = ["--model", str(embedded_dir), "--methods", "exact", *SMOKE]
+    out = tmp_path / "local"
+    status = longbench.main(
+        [*base, "--data-dir", str(data), "--tasks", "passage_retrieval_en", "trec_e", "--output-dir", str(out)]
+    )
+    assert status == 0
+    scores = json.loads((out / "scores.json").read_text())["results"]["exact"]
+    assert scores["tasks"]["passage_retrieval_en"]["n"] == 2 and scores["tasks"]["trec"]["n"] == 1
+    assert (
+        scores["tasks"]["passage_retrieval_en"]["n_0-4k"] == 1
+        and scores["tasks"]["passage_retrieval_en"]["n_4-8k"] == 1
+    )
+    assert table_rows((out / "results.md").read_text())[0] == ["Method", "p.ret", "trec", "Average"]
+
+    hub = tmp_path / "hub" / "trec_e"  # laid out like Xnhyacinth/LongBench: <task>_e/test.jsonl
+    hub.mkdir(parents=True)
+    context, question, prefix = longbench.split_prompt("trec", trec["context"], trec["input"])
+    processed = {**trec, "context": context, "question": question, "answer_prefix": prefix, "task": "trec"}
+    del processed["input"]
+    (hub / "test.jsonl").write_text(json.dumps(processed) + "\n")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets_cache"))
+    out2 = tmp_path / "hub_run"
+    assert longbench.main([*base, "--dataset", str(hub.parent), "--tasks", "trec", "--output-dir", str(out2)]) == 0
+    (mine,) = lines(out2 / "predictions" / "exact" / "trec.jsonl")
+    (theirs,) = [r for r in lines(out / "predictions" / "exact" / "trec.jsonl")]
+    assert mine["prediction"] == theirs["prediction"] and mine["prompt_tokens"] == theirs["prompt_tokens"]
+
+
+@pytest.mark.slow
+def test_processes_write_shards_and_process_zero_merges(tmp_path, embedded_dir, monkeypatch):
+    out = tmp_path / "mp"
+    args = [
+        "--model",
+        str(embedded_dir),
+        "--tasks",
+        "py_count",
+        "--methods",
+        "exact",
+        "--limit",
+        "3",
+        "--output-dir",
+        str(out),
+        *SMOKE,
+    ]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert longbench.main(args) == 0
+    shard = out / "predictions" / "exact" / "py_count.rank1.jsonl"
+    assert [r["index"] for r in lines(shard)] == [1] and not (out / "results.md").exists()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert longbench.main(args) == 0
+    merged = out / "predictions" / "exact" / "py_count.jsonl"
+    assert [r["index"] for r in lines(merged)] == [0, 1, 2] and not shard.exists()
+    assert json.loads((out / "scores.json").read_text())["complete"]
