@@ -18,7 +18,9 @@ Average = unweighted mean over the tasks. Methods: ``exact`` (no press), ``compr
 (``CompressKVPress(compression_ratio=1 - ratio, seed=seed)``: 12 pivots per bin, first/last 32 tokens
 kept), ``uniform`` (``UniformPress``, same protection), and kvpress's ``snapkv`` (window 64, kernel 5),
 ``streamingllm`` (4 sinks), ``pyramidkv`` (window 64, kernel 5, beta 20). ``--ratio`` is the KEPT
-fraction (0.25 keeps a quarter of the cache: ``compression_ratio = 0.75``).
+fraction (0.25 keeps a quarter of the cache: ``compression_ratio = 0.75``). ``--press-option
+compresskv.window_size=128`` (repeatable; ``press_options`` in the YAML) changes one field of a method's
+press; the changed settings are part of the run's identity and printed under the table.
 
 Data: ``--dataset`` (default ``Xnhyacinth/LongBench``, kvpress's preprocessed copy; data dir ``<task>_e``;
 a local directory laid out like that repository works the same way; for a config-style repository such
@@ -239,6 +241,7 @@ class Config:
     threads: int | None = None
     output_dir: str | None = None
     score_only: bool = False
+    press_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # method -> press field -> value
 
 
 @dataclass
@@ -283,13 +286,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--output-dir", help="default results/longbench/<model>_<ratio>")
     p.add_argument("--score-only", action="store_true", default=None, help="no model: rescore what exists")
+    p.add_argument(
+        "--press-option",
+        action="append",
+        metavar="METHOD.FIELD=VALUE",
+        help="a press setting other than the default, e.g. compresskv.window_size=128 (repeatable)",
+    )
     return p
+
+
+def parse_press_options(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``["compresskv.window_size=128", ...]`` -> ``{"compresskv": {"window_size": 128}}`` (values as YAML)."""
+    options: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, value = item.partition("=")
+        method, dot, name = target.partition(".")
+        if not (sep and dot and method and name):
+            raise UsageError(f"--press-option: expected METHOD.FIELD=VALUE, got {item!r}")
+        options.setdefault(method, {})[name] = yaml.safe_load(value)
+    return options
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
     """Built-in defaults < YAML (``--config``; configs/offline_default.yaml without --model) < flags."""
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config")
+    flag_options = parse_press_options(args.pop("press_option") or [])
     try:  # the embedded run's YAML is the default only without --model
         values = {} if path is None and args.get("model") is not None else load_yaml(path, OFFLINE_CONFIG, Config)
     except yaml.YAMLError as err:
@@ -297,6 +319,10 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     except (TypeError, ValueError, OSError) as err:
         raise UsageError(str(err) if str(err).startswith("--config") else f"--config: {err}") from None
     values.update({k: v for k, v in args.items() if v is not None})
+    options = values.get("press_options") or {}
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise UsageError(f"--config: press_options must map a method to {{field: value}}, got {options!r}")
+    values["press_options"] = {m: {**options.get(m, {}), **flag_options.get(m, {})} for m in {*options, *flag_options}}
     return validate(Config(**values))
 
 
@@ -346,6 +372,7 @@ def validate(cfg: Config) -> Config:
         raise UsageError(f"--device-map: only 'auto' is supported, got {cfg.device_map!r}")
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise UsageError(f"--data-dir: {cfg.data_dir} is not a directory")
+    check_press_options(cfg)
     if cfg.model is not None and not isinstance(cfg.model, str):
         raise UsageError(f"--model: expected a name or path, got {cfg.model!r}")
     if cfg.model is not None and Path(cfg.model).expanduser().exists():
@@ -356,6 +383,33 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def check_press_options(cfg: Config) -> None:
+    """Every press option names a method with a press and one of that press's fields, with a valid value."""
+    import dataclasses
+
+    for method, options in sorted(cfg.press_options.items()):
+        if method not in METHODS or method == "exact":
+            pressed = [m for m in METHODS if m != "exact"]
+            raise UsageError(f"--press-option: {method!r} has no press; choose from {', '.join(pressed)}")
+        if not options:
+            continue
+        press = make_press(method, cfg.ratio, cfg.seed)
+        fields = [f.name for f in dataclasses.fields(press) if f.name not in FIXED_PRESS_FIELDS]
+        for name in options:
+            if name not in fields:
+                raise UsageError(f"--press-option: {method} has no setting {name!r}; choose from {', '.join(fields)}")
+            default, value = getattr(press, name), options[name]
+            if isinstance(default, (int, float)) and not isinstance(default, bool):  # kvpress checks none of these
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if not number or value < 0 or (isinstance(default, int) and not isinstance(value, int)):
+                    kind = "an integer" if isinstance(default, int) else "a number"
+                    raise UsageError(f"--press-option: {method}.{name}: must be {kind} >= 0, got {value!r}")
+        try:
+            make_press(method, cfg.ratio, cfg.seed, options)
+        except (TypeError, ValueError, AssertionError) as err:
+            raise UsageError(f"--press-option: {method}: {_one_line(err)}") from None
+
+
 def model_label(cfg: Config) -> str:
     return EMBEDDED_LABEL if cfg.model is None else Path(cfg.model.rstrip("/")).name
 
@@ -363,7 +417,9 @@ def model_label(cfg: Config) -> str:
 def output_dir(cfg: Config) -> Path:
     if cfg.output_dir:
         return Path(cfg.output_dir)
-    return REPO_ROOT / "results" / "longbench" / f"{model_label(cfg)}_{cfg.ratio:g}"
+    changed = prediction_settings(cfg)["press_options"]
+    suffix = "".join(f"_{m}.{k}={v}" for m, o in changed.items() for k, v in sorted(o.items()))
+    return REPO_ROOT / "results" / "longbench" / f"{model_label(cfg)}_{cfg.ratio:g}{suffix}"
 
 
 def task_list(cfg: Config) -> list[str]:
@@ -391,6 +447,7 @@ def prediction_settings(cfg: Config) -> dict[str, Any]:
         "data": data_source(cfg),
         "max_context_length": cfg.max_context_length,
         "max_new_tokens": cfg.max_new_tokens,
+        "press_options": {m: cfg.press_options[m] for m in sorted(cfg.press_options) if cfg.press_options[m]},
     }
 
 
@@ -544,24 +601,29 @@ def _repair(path: Path) -> None:
             path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def make_press(method: str, ratio: float, seed: int):
-    """The press of ``method`` keeping ``ratio`` of the cache (None for exact)."""
+FIXED_PRESS_FIELDS = ("compression_ratio", "press")  # set by --ratio; kvpress's wrapped inner press
+
+
+def make_press(method: str, ratio: float, seed: int, options: dict[str, Any] | None = None):
+    """The press of ``method`` keeping ``ratio`` of the cache (None for exact); ``options`` override its fields."""
     compression = 1.0 - ratio
+    options = options or {}
     if method == "exact":
         return None
     if method in ("compresskv", "uniform"):
         from kvcompress import CompressKVPress, UniformPress
 
         cls = CompressKVPress if method == "compresskv" else UniformPress
-        return cls(compression_ratio=compression, seed=seed)
+        return cls(**{"compression_ratio": compression, "seed": seed, **options})
     from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
 
     if method == "snapkv":
-        return SnapKVPress(compression_ratio=compression, window_size=64, kernel_size=5)
+        return SnapKVPress(**{"compression_ratio": compression, "window_size": 64, "kernel_size": 5, **options})
     if method == "streamingllm":
-        return StreamingLLMPress(compression_ratio=compression, n_sink=4)
+        return StreamingLLMPress(**{"compression_ratio": compression, "n_sink": 4, **options})
     if method == "pyramidkv":
-        return PyramidKVPress(compression_ratio=compression, window_size=64, kernel_size=5, beta=20)
+        defaults = {"compression_ratio": compression, "window_size": 64, "kernel_size": 5, "beta": 20}
+        return PyramidKVPress(**{**defaults, **options})
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -679,7 +741,7 @@ def predict(pipe, cfg: Config, work: list[tuple], out: Path, rank: int, world: i
                     context,
                     question=example.question,
                     answer_prefix=example.answer_prefix,
-                    press=make_press(method, cfg.ratio, cfg.seed),
+                    press=make_press(method, cfg.ratio, cfg.seed, cfg.press_options.get(method)),
                     max_new_tokens=cfg.max_new_tokens or max_new_tokens(task),
                     max_context_length=UNLIMITED_CONTEXT,
                 )["answer"]
@@ -841,9 +903,12 @@ def markdown(cfg: Config, plan: dict[str, list[Example]], results: dict[str, Any
         avg = _cell({"complete": r["complete"]}, r["average"])
         lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + f" | {avg} |")
     sizes = ", ".join(f"{COLUMN_NAMES[t]} {len(e)}" for t, e in plan.items())
+    changed = prediction_settings(cfg)["press_options"]
+    settings = "; ".join(f"{METHODS[m]} {', '.join(f'{k}={v}' for k, v in o.items())}" for m, o in changed.items())
     lines += [
         "",
         f"LongBench metric per task x 100; Average = unweighted mean over the tasks. Examples per task: {sizes}.",
+        *([f"Press settings other than the defaults: {settings}."] if changed else []),
         "",
         "## By length (LongBench-E buckets of the `length` field, words; mean over the tasks with examples there)",
         "",

@@ -125,6 +125,22 @@ def test_markdown_has_table4_layout_partial_marks_and_the_paper_rows():
     assert "Paper" not in longbench.markdown(Config(), plan, results)  # other models: no reference rows
 
 
+def test_press_options_from_yaml_and_flags_reach_the_press_and_the_run_identity(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("press_options:\n  compresskv: {window_size: 64, bin_rank: 8}\n  snapkv: {kernel_size: 7}\n")
+    cfg = longbench.parse_config(["--config", str(config), "--press-option", "compresskv.window_size=128"])
+    assert cfg.press_options == {"compresskv": {"window_size": 128, "bin_rank": 8}, "snapkv": {"kernel_size": 7}}
+    press = longbench.make_press("compresskv", cfg.ratio, cfg.seed, cfg.press_options["compresskv"])
+    assert (press.window_size, press.bin_rank, press.sink_size, press.compression_ratio) == (128, 8, 32, 0.75)
+    assert longbench.make_press("snapkv", 0.5, 0, cfg.press_options["snapkv"]).kernel_size == 7
+    assert longbench.prediction_settings(cfg)["press_options"] == cfg.press_options
+    assert (
+        longbench.output_dir(cfg).name
+        == "SmolLM2-135M-Instruct_0.25_compresskv.bin_rank=8_compresskv.window_size=128_snapkv.kernel_size=7"
+    )
+    assert longbench.output_dir(longbench.parse_config([])).name == "SmolLM2-135M-Instruct_0.25"
+
+
 def test_offline_suite_is_deterministic_and_committed(tmp_path):
     committed = offline_suite.ensure_suite()
     for task, spec in offline_suite.TASKS.items():
@@ -155,6 +171,9 @@ def test_offline_suite_is_deterministic_and_committed(tmp_path):
         (["--ratio", "abc"], "--ratio"),
         (["--data-dir", "/nonexistent/longbench"], "--data-dir"),
         (["--config", "/nonexistent/run.yaml"], "--config"),
+        (["--press-option", "compresskv.window=3"], "--press-option: compresskv has no setting 'window'"),
+        (["--press-option", "snapkv.window_size=-3"], "--press-option: snapkv.window_size: must be an integer"),
+        (["--press-option", "exact.window_size=3"], "--press-option: 'exact' has no press"),
     ],
 )
 def test_bad_input_is_one_error_line(tmp_path, args, message):
