@@ -24,7 +24,9 @@ press; the changed settings are part of the run's identity and printed under the
 
 Data: ``--dataset`` (default ``Xnhyacinth/LongBench``, kvpress's preprocessed copy; data dir ``<task>_e``;
 a local directory laid out like that repository works the same way; for a config-style repository such
-as ``THUDM/LongBench`` the config ``<task>_e`` is tried next) through ``datasets.load_dataset``, or
+as ``THUDM/LongBench`` the config ``<task>_e`` is tried next; THUDM's repository is a loading script, which
+``datasets`` >= 4 refuses, and scripts are never run with ``trust_remote_code`` here) through
+``datasets.load_dataset``, or
 ``--data-dir`` holding ``<task>.jsonl`` or ``<task>_e.jsonl`` per task (e.g. the extracted ``data/`` of
 THUDM's data.zip). Rows either carry LongBench's raw columns (``input``, ``context``, ``answers``,
 ``length``, ``all_classes``, ``_id``), then LongBench's template is applied here, or kvpress's processed
@@ -487,7 +489,11 @@ def _rows_from_hub(dataset: str, task: str) -> list[dict]:
         try:  # config-style repositories (e.g. THUDM/LongBench with datasets < 4)
             data = datasets.load_dataset(dataset, f"{task}_e", split="test")
         except Exception:
-            raise UsageError(f"--dataset: cannot load {dataset} ({task}_e): {_one_line(first)}") from None
+            raise UsageError(
+                f"--dataset: cannot load {dataset} ({task}_e): {_one_line(first, 200)}; without the Hub, or for "
+                "THUDM/LongBench (a loading script, which datasets >= 4 refuses), pass --data-dir with LongBench's "
+                "jsonl files (THUDM's data.zip)"
+            ) from None
     return [dict(row) for row in data]
 
 
