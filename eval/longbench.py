@@ -89,7 +89,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -387,8 +387,6 @@ def validate(cfg: Config) -> Config:
 
 def check_press_options(cfg: Config) -> None:
     """Every press option names a method with a press and one of that press's fields, with a valid value."""
-    import dataclasses
-
     for method, options in sorted(cfg.press_options.items()):
         if method not in METHODS or method == "exact":
             pressed = [m for m in METHODS if m != "exact"]
@@ -396,10 +394,10 @@ def check_press_options(cfg: Config) -> None:
         if not options:
             continue
         press = make_press(method, cfg.ratio, cfg.seed)
-        fields = [f.name for f in dataclasses.fields(press) if f.name not in FIXED_PRESS_FIELDS]
+        settable = [f.name for f in fields(press) if f.name not in FIXED_PRESS_FIELDS]
         for name in options:
-            if name not in fields:
-                raise UsageError(f"--press-option: {method} has no setting {name!r}; choose from {', '.join(fields)}")
+            if name not in settable:
+                raise UsageError(f"--press-option: {method} has no setting {name!r}; choose from {', '.join(settable)}")
             default, value = getattr(press, name), options[name]
             if isinstance(default, (int, float)) and not isinstance(default, bool):  # kvpress checks none of these
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -419,7 +417,7 @@ def model_label(cfg: Config) -> str:
 def output_dir(cfg: Config) -> Path:
     if cfg.output_dir:
         return Path(cfg.output_dir)
-    changed = prediction_settings(cfg)["press_options"]
+    changed = changed_press_options(cfg)
     suffix = "".join(f"_{m}.{k}={v}" for m, o in changed.items() for k, v in sorted(o.items()))
     return REPO_ROOT / "results" / "longbench" / f"{model_label(cfg)}_{cfg.ratio:g}{suffix}"
 
@@ -439,6 +437,11 @@ def data_source(cfg: Config) -> str:
     return f"dataset={cfg.dataset}"
 
 
+def changed_press_options(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The press fields set away from their defaults, by method (methods without changes left out)."""
+    return {m: cfg.press_options[m] for m in sorted(cfg.press_options) if cfg.press_options[m]}
+
+
 def prediction_settings(cfg: Config) -> dict[str, Any]:
     """What changes a prediction: a resumed run must agree on all of it."""
     return {
@@ -449,7 +452,7 @@ def prediction_settings(cfg: Config) -> dict[str, Any]:
         "data": data_source(cfg),
         "max_context_length": cfg.max_context_length,
         "max_new_tokens": cfg.max_new_tokens,
-        "press_options": {m: cfg.press_options[m] for m in sorted(cfg.press_options) if cfg.press_options[m]},
+        "press_options": changed_press_options(cfg),
     }
 
 
@@ -909,7 +912,7 @@ def markdown(cfg: Config, plan: dict[str, list[Example]], results: dict[str, Any
         avg = _cell({"complete": r["complete"]}, r["average"])
         lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + f" | {avg} |")
     sizes = ", ".join(f"{COLUMN_NAMES[t]} {len(e)}" for t, e in plan.items())
-    changed = prediction_settings(cfg)["press_options"]
+    changed = changed_press_options(cfg)
     settings = "; ".join(f"{METHODS[m]} {', '.join(f'{k}={v}' for k, v in o.items())}" for m, o in changed.items())
     lines += [
         "",

@@ -135,17 +135,23 @@ def _record(task: str, seed: int, index: int, context: str, question: str, answe
     }
 
 
-def make_retrieval(rng: random.Random, target_tokens: int) -> tuple[str, str, list[str]]:
-    """Numbered paragraphs from distinct topics; the abstract is two consecutive sentences of one of them."""
+def _topic_passages(rng: random.Random, target_tokens: int, min_words: int, max_words: int) -> list[str]:
+    """Chunks of ``min_words``-``max_words`` words from distinct topics, in random order, until ~``target_tokens``."""
     topics = _topics()
     words_left = int(target_tokens / PROSE_TOKENS_PER_WORD)
-    paragraphs: list[str] = []
+    passages = []
     for _, words in rng.sample(topics, len(topics)):
         if words_left <= 0:
             break
-        size = min(rng.randrange(90, 200), len(words))
-        paragraphs.append(_chunk(rng, words, size))
+        size = min(rng.randrange(min_words, max_words), len(words))
+        passages.append(_chunk(rng, words, size))
         words_left -= size + 2
+    return passages
+
+
+def make_retrieval(rng: random.Random, target_tokens: int) -> tuple[str, str, list[str]]:
+    """Numbered paragraphs from distinct topics; the abstract is two consecutive sentences of one of them."""
+    paragraphs = _topic_passages(rng, target_tokens, 90, 200)
     order = list(range(len(paragraphs)))
     rng.shuffle(order)
     for target in order:  # the first paragraph whose abstract occurs nowhere else
@@ -180,15 +186,7 @@ def make_count(rng: random.Random, target_tokens: int) -> tuple[str, str, list[s
 
 def make_qa(rng: random.Random, target_tokens: int) -> tuple[str, str, list[str]]:
     """Topic text with 4 planted facts about invented projects; one of them is asked about."""
-    topics = _topics()
-    words_left = int(target_tokens / PROSE_TOKENS_PER_WORD)
-    passages = []
-    for _, words in rng.sample(topics, len(topics)):
-        if words_left <= 0:
-            break
-        size = min(rng.randrange(120, 260), len(words))
-        passages.append(_chunk(rng, words, size))
-        words_left -= size + 2
+    passages = _topic_passages(rng, target_tokens, 120, 260)
     projects = rng.sample([a + n for a in _ADJ for n in _NOUN], 4)
     people = rng.sample([f"{f} {last}" for f in _FIRST for last in _LAST], 4)
     cities = rng.sample(_CITIES, 4)
