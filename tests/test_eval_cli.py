@@ -1,4 +1,4 @@
-"""The harness command lines end to end at tiny sizes: files, columns and sane numbers."""
+"""The harness command lines end to end at tiny sizes: files, columns and sane numbers (fidelity: test_fidelity.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from eval import approx_error, fidelity
+from eval import approx_error
 
 
 def read_csv(path):
@@ -27,40 +27,3 @@ def test_approx_error_cli_writes_csv_and_plot(tmp_path):
 def test_approx_error_rejects_unknown_method(tmp_path):
     with pytest.raises(SystemExit):
         approx_error.main(["--methods", "nope", "--output-dir", str(tmp_path)])
-
-
-@pytest.mark.slow
-def test_fidelity_cli_on_the_embedded_model(tmp_path, embedded_dir):
-    argv = [
-        "--model",
-        str(embedded_dir),
-        "--contexts",
-        "1",
-        "--context-tokens",
-        "300",
-        "--continuation-tokens",
-        "8",
-        "--max-new-tokens",
-        "4",
-        "--kept",
-        "0.5",
-        "--presses",
-        "compresskv_keys",
-        "snapkv",
-        "--output-dir",
-        str(tmp_path),
-    ]
-    fidelity.main(argv)
-    table = {(r["press"], r["kept"]): r for r in read_csv(tmp_path / "fidelity.csv")}
-    assert set(table) == {("exact", "1.0"), ("compresskv_keys", "0.5"), ("snapkv", "0.5")}
-    assert float(table[("exact", "1.0")]["kl"]) == 0 and float(table[("compresskv_keys", "0.5")]["kl"]) > 0
-    full, ours = float(table[("exact", "1.0")]["cache_mib"]), float(table[("compresskv_keys", "0.5")]["cache_mib"])
-    assert ours < 0.55 * full
-    layers = read_csv(tmp_path / "layer_errors.csv")
-    assert len(layers) == 3 * 30 and all(float(r["rel_err"]) >= 0 for r in layers)
-    assert (tmp_path / "fidelity.md").read_text().startswith("| press |")
-
-
-def test_fidelity_rejects_unknown_press():
-    with pytest.raises(ValueError, match="presses: unknown press"):
-        fidelity.main(["--presses", "nope"])

@@ -8,16 +8,11 @@ import pytest
 import torch
 from transformers import pipeline
 
-from eval.fidelity import (
-    Config,
-    QueryRecorder,
-    continuation_logprobs,
-    layer_errors,
-    make_contexts,
-    prefill,
-)
 from eval.models import load_model
 from kvcompress import CompressKVPress, UniformPress
+from kvcompress.fidelity.contexts import build_contexts
+from kvcompress.fidelity.measure import continuation_logprobs, layer_errors, prefill
+from kvcompress.fidelity.probes import QueryRecorder
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +21,7 @@ pytestmark = pytest.mark.slow
 def model_and_contexts(embedded_dir):
     model, tokenizer = load_model(str(embedded_dir))
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    contexts = make_contexts(pipe, Config(contexts=3, context_tokens=2000, continuation_tokens=48, seed=7))
+    contexts = build_contexts(pipe, ["prose"], [2000], seeds=3, continuation=48, seed=7)
     return model, contexts
 
 
@@ -49,7 +44,7 @@ def test_attention_error_lower_than_uniform_subset_of_same_size(model_and_contex
     model, contexts = model_and_contexts
     ours, uniform = [], []
     for index, ctx in enumerate(contexts):
-        recorder = QueryRecorder(model, probes=64)
+        recorder = QueryRecorder(model, last=64)
         full, _ = prefill(model, None, ctx.ids)
         recorder.remove()
         for press, errors in (
