@@ -108,13 +108,18 @@ class WeightedDynamicCache(DynamicCache):
             layer.crop(rows)
 
 
-def install_compressed_layer(cache: DynamicCache, layer_idx: int, layer: WeightedLayer) -> None:
-    """Replace layer ``layer_idx`` of ``cache`` by its compressed version, in place."""
+def check_cache(cache: object) -> None:
+    """Raise ValueError unless ``cache`` is a transformers DynamicCache kvcompress can compress (not offloaded)."""
     if not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False):
         raise ValueError(
             f"past_key_values: kvcompress compresses a transformers DynamicCache (not offloaded), got "
             f"{type(cache).__name__}"
         )
+
+
+def install_compressed_layer(cache: DynamicCache, layer_idx: int, layer: WeightedLayer) -> None:
+    """Replace layer ``layer_idx`` of ``cache`` by its compressed version, in place."""
+    check_cache(cache)
     if type(cache) is DynamicCache:
         cache.__class__ = WeightedDynamicCache
     cache.layers[layer_idx] = layer

@@ -1,20 +1,25 @@
 """kvpress presses that leave a weighted cache behind: CompressKVPress and UniformPress.
 
-Both keep the first ``sink_size`` and last ``window_size`` context tokens exactly (weight 1) and
-replace the middle by a weighted subset, per batch row and KV head, right after each layer's prefill.
-The compressed layer (:class:`kvcompress.cache.WeightedLayer`) carries the weights, and the model is
-switched to the "kvcompress" attention, which runs weighted attention (Alg. 3) over such layers and
-stock sdpa everywhere else. The switch outlives the ``with press(model)`` block on purpose: the
-question and the answer are computed after it.
+Both keep the first ``sink_size`` and last ``window_size`` context tokens exactly (weight 1) and replace
+the middle by a weighted subset, per batch row and KV head. The compressed layer
+(:class:`kvcompress.cache.WeightedLayer`) carries the weights, and the model is switched to the
+"kvcompress" attention, which runs weighted attention (Alg. 3) over such layers and stock sdpa
+everywhere else. The switch outlives the ``with press(model)`` block on purpose: the question and the
+answer are computed after it.
+
+A layer is compressed right after its prefill, as in kvpress, unless the press reads the context a second
+time (``reference`` with ``"repeat"``): then every layer keeps its full cache until the prefill forward has
+returned, the repeat pass runs, and all layers are compressed before the forward call gives control back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from kvpress.presses.base_press import BasePress, is_prefilling
-from kvpress.utils import get_prerope_query_states
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
@@ -25,12 +30,19 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
-from transformers.models.llama.modeling_llama import rotate_half
 from transformers.utils import logging as hf_logging
 
-from kvcompress.cache import WeightedLayer, install_compressed_layer
+from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.hf_attention import use_weighted_attention
-from kvcompress.nystrom import compress_kv
+from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
+from kvcompress.reference import (
+    SOURCES,
+    LayerReference,
+    prefill_query_radius,
+    record_prefill,
+    record_repeat,
+    repeat_context,
+)
 
 logger = hf_logging.get_logger(__name__)
 
@@ -45,30 +57,51 @@ SUPPORTED_MODELS = (
 )
 
 
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+    bad = bad or (value <= low if low_open else value < low) or (high is not None and value > high)
+    if bad:
+        bounds = (
+            f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
+        )
+        raise ValueError(f"{name}: must be a number in {bounds}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
 @dataclass
 class WeightedSubsetPress(BasePress):
     """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
 
-    After compression each head holds at most ``int(n * (1 - compression_ratio))`` rows, protected
-    tokens included. A context whose budget cannot hold the protected tokens plus one middle row, or
-    that needs no removal, is left untouched. Subclasses implement :meth:`compress_middle`.
+    After compression each head holds at most ``int(n * (1 - compression_ratio))`` rows, protected tokens
+    included. A context whose budget cannot hold the protected tokens plus one middle row, or that needs no
+    removal, is left untouched. Subclasses implement :meth:`compress_middle`, and :meth:`reference_sources`
+    when they need reference queries.
     """
 
     compression_ratio: float = 0.0
     sink_size: int = 32
     window_size: int = 32
     seed: int | None = None
+    _pending: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _repeating: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        ratio = self.compression_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-            raise ValueError(f"compression_ratio: must be a number in [0, 1) (fraction removed), got {ratio!r}")
-        for name in ("sink_size", "window_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed: must be an int or None, got {self.seed!r}")
+        _check_number("compression_ratio", self.compression_ratio, 0, 1)
+        if self.compression_ratio == 1:
+            raise ValueError("compression_ratio: must be a number in [0, 1) (fraction removed), got 1")
+        _check_int("sink_size", self.sink_size, 0)
+        _check_int("window_size", self.window_size, 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63))
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         if not isinstance(model, SUPPORTED_MODELS):
@@ -83,10 +116,26 @@ class WeightedSubsetPress(BasePress):
     def layer_seed(self, layer_idx: int) -> int | None:
         return None if self.seed is None else self.seed * 1_000_003 + layer_idx
 
+    def reference_sources(self) -> tuple[str, ...]:
+        """Reference-query sources this press reads (see :mod:`kvcompress.reference`); none by default."""
+        return ()
+
+    def record_reference(self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor) -> LayerReference:
+        """What :meth:`compress_middle` needs from this layer's prefill call (hook ``kwargs``)."""
+        return LayerReference()
+
     def compress_middle(
-        self, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, rows: int, kwargs: dict
+        self,
+        module: torch.nn.Module,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        end: int,
+        rows: int,
+        reference: LayerReference,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Middle keys/values ``[b, h_kv, L, d]`` -> ``(K [b, h_kv, rows, d], V, w [b, h_kv, rows])``."""
+        """Replace context rows ``[start, end)`` of keys/values ``[b, h_kv, n, d]`` by ``rows`` weighted rows:
+        ``(K [b, h_kv, rows, d], V [b, h_kv, rows, d_v], w [b, h_kv, rows])``."""
         raise NotImplementedError
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
@@ -95,16 +144,36 @@ class WeightedSubsetPress(BasePress):
             "compress() protocol (e.g. inside ComposedPress or another press's wrapper). Use it on its own."
         )
 
+    @contextmanager
+    def __call__(self, model: PreTrainedModel):
+        self._pending, self._repeating = {}, False
+        with super().__call__(model):
+            hook = None
+            if "repeat" in self.reference_sources():
+                decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
+                hook = decoder.register_forward_hook(self._after_prefill, with_kwargs=True)
+            try:
+                yield
+            finally:
+                if hook is not None:
+                    hook.remove()
+                self._pending, self._repeating = {}, False
+
     def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
-        hidden_states = kwargs["hidden_states"]
-        if getattr(module, "is_sliding", False) or not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
-            return output  # Gemma3 sliding layers stay exact; only the prefill is compressed
-        cache = kwargs["past_key_values"]
+        if getattr(module, "is_sliding", False):
+            return output  # Gemma3 sliding layers stay exact
+        hidden_states, cache = kwargs["hidden_states"], kwargs["past_key_values"]
+        if self._repeating:
+            if module.layer_idx in self._pending:
+                pending = self._pending[module.layer_idx]
+                keys = cache.layers[module.layer_idx].keys[:, :, : pending["tokens"]]
+                record_repeat(module, kwargs, keys, pending["reference"], self.repeat_samples(), pending["tokens"])
+            return output
+        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+            return output  # only the prefill is compressed
         layer = cache.layers[module.layer_idx]
-        keys, values = layer.keys, layer.values
-        n = keys.shape[-2]
-        budget = self.budget(n)
-        protected = self.sink_size + self.window_size
+        n = layer.keys.shape[-2]
+        budget, protected = self.budget(n), self.sink_size + self.window_size
         if budget >= n:
             return output
         if budget <= protected:
@@ -113,64 +182,184 @@ class WeightedSubsetPress(BasePress):
                 f"{budget} rows, not more than the {protected} protected tokens; left uncompressed"
             )
             return output
-        end = n - self.window_size
+        reference = self.record_reference(module, kwargs, layer.keys)
+        if "repeat" in self.reference_sources():
+            check_cache(cache)
+            self._pending[module.layer_idx] = dict(module=module, reference=reference, tokens=n)
+            return output
+        self._compress_layer(module, cache, reference)
+        return output
+
+    def repeat_samples(self) -> int:
+        """Repeat-pass queries kept per layer for a fit (subclasses with a fit override it)."""
+        return 0
+
+    def _after_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Decoder forward hook: after a prefill whose layers wait for the repeat pass, run it and compress."""
+        if self._repeating or not self._pending:
+            return
+        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        pending, self._pending = self._pending, {}
+        if input_ids is None:
+            raise ValueError(
+                f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
+                "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
+            )
+        self._pending, self._repeating = pending, True
+        try:
+            repeat_context(decoder, input_ids, cache, self.repeat_chunk)
+        finally:
+            self._pending, self._repeating = {}, False
+        for state in pending.values():
+            self._compress_layer(state["module"], cache, state["reference"])
+
+    def _compress_layer(self, module: torch.nn.Module, cache, reference: LayerReference) -> None:
+        layer = cache.layers[module.layer_idx]
+        keys, values = layer.keys, layer.values
+        n = keys.shape[-2]
+        start, end = self.sink_size, n - self.window_size
+        rows = self.budget(n) - self.sink_size - self.window_size
         middle_keys, middle_values, middle_weights = self.compress_middle(
-            module, keys[:, :, self.sink_size : end], values[:, :, self.sink_size : end], budget - protected, kwargs
+            module, keys, values, start, end, rows, reference
         )
         ones = middle_weights.new_ones(*middle_weights.shape[:2], 1)
         compressed = WeightedLayer(
-            keys=torch.cat([keys[:, :, : self.sink_size], middle_keys, keys[:, :, end:]], dim=2),
-            values=torch.cat([values[:, :, : self.sink_size], middle_values, values[:, :, end:]], dim=2),
+            keys=torch.cat([keys[:, :, :start], middle_keys, keys[:, :, end:]], dim=2),
+            values=torch.cat([values[:, :, :start], middle_values, values[:, :, end:]], dim=2),
             row_weights=torch.cat(
-                [ones.expand(-1, -1, self.sink_size), middle_weights, ones.expand(-1, -1, self.window_size)], dim=2
+                [ones.expand(-1, -1, start), middle_weights, ones.expand(-1, -1, self.window_size)], dim=2
             ),
             value_min=values.amin(2).float(),
             value_max=values.amax(2).float(),
             tokens=n,
         )
         install_compressed_layer(cache, module.layer_idx, compressed)
-        return output
+
+
+SELECTIONS = ("attention", "hybrid", "rpnys")
+FITS = ("none", "weights", "values")
 
 
 @dataclass
 class CompressKVPress(WeightedSubsetPress):
-    """CompressKV (WildCat Alg. 2) on the middle of the context, ``bin_rank`` pivots per bin.
+    """Query-aware CompressKV: a weighted subset of the context chosen and fitted by reference queries.
 
-    ``query_radius``: "keys" uses R_Q = R_K per bin (the authors' code); "queries" uses the max norm of
-    this layer's post-RoPE prefill queries in the KV head's group.
+    ``selection``: ``"attention"`` keeps the middle rows with the most attention from the reference queries
+    (exact rows); ``"rpnys"`` is the WildCat paper's query-agnostic binned RPNys coreset with Nystrom
+    weights (Alg. 2, ``bin_rank`` pivots a bin); ``"hybrid"`` keeps ``hybrid_fraction`` of the middle rows
+    by attention and summarises the rest by an RPNys coreset. ``reference``: query sources
+    (:mod:`kvcompress.reference`), each one's attention mass normalised per head and mixed with weight 1
+    (``repeat_weight`` for ``"repeat"``); window scores are average-pooled over ``pool_kernel`` keys.
+    ``fit`` (``"attention"`` selection only): ``"values"`` fits each kept row's mass ``w`` and value
+    ``V_S`` to the reference queries (:mod:`kvcompress.fitting`), ``"weights"`` only ``w`` (``V_S = w v``),
+    ``"none"`` keeps ``w = 1``. ``CompressKVPress.paper()`` is the paper's configuration.
     """
 
+    sink_size: int = 4
+    window_size: int = 64
+    selection: str = "attention"
+    reference: tuple[str, ...] = ("window", "repeat")
+    repeat_weight: float = 2.0
+    observation_window: int = 64
+    pool_kernel: int = 5
+    fit: str = "values"
+    fit_bin_rows: int = 16
+    fit_ridge: float = 0.1
+    fit_queries: int = 256
+    repeat_chunk: int = 2048
+    hybrid_fraction: float = 0.5
     bin_rank: int = 12
     query_radius: str = "keys"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.bin_rank, bool) or not isinstance(self.bin_rank, int) or self.bin_rank < 1:
-            raise ValueError(f"bin_rank: must be an int >= 1, got {self.bin_rank!r}")
-        if self.query_radius not in ("keys", "queries"):
-            raise ValueError(f'query_radius: must be "keys" or "queries", got {self.query_radius!r}')
+        _check_choice("selection", self.selection, SELECTIONS)
+        _check_choice("fit", self.fit, FITS)
+        if isinstance(self.reference, str) or not isinstance(self.reference, (tuple, list)):
+            raise ValueError(f"reference: must be a list of sources from {SOURCES}, got {self.reference!r}")
+        self.reference = tuple(self.reference)
+        for source in self.reference:
+            _check_choice("reference", source, SOURCES)
+        if self.selection != "rpnys" and not self.reference:
+            raise ValueError(f"reference: selection={self.selection!r} needs at least one source of {SOURCES}")
+        if self.fit != "none" and self.selection != "attention":
+            raise ValueError(f"fit: {self.fit!r} needs selection='attention'; use fit='none' with {self.selection!r}")
+        _check_number("repeat_weight", self.repeat_weight, 0)
+        _check_number("fit_ridge", self.fit_ridge, 0, low_open=True)
+        _check_number("hybrid_fraction", self.hybrid_fraction, 0, 1)
+        for name, low in (
+            ("observation_window", 1),
+            ("pool_kernel", 1),
+            ("fit_bin_rows", 1),
+            ("fit_queries", 2),
+            ("repeat_chunk", 1),
+            ("bin_rank", 1),
+        ):
+            _check_int(name, getattr(self, name), low)
+        if self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel: must be an odd int >= 1, got {self.pool_kernel!r}")
+        _check_choice("query_radius", self.query_radius, ("keys", "queries"))
 
-    def compress_middle(self, module, keys, values, rows, kwargs):
-        bins = max(1, rows // self.bin_rank)
-        radius = self.prefill_query_radius(module, kwargs) if self.query_radius == "queries" else None
-        return compress_kv(
-            keys,
-            values,
-            bins * (rows // bins),
-            bins=bins,
-            scaling=module.scaling,
-            query_radius=radius,
-            seed=self.layer_seed(module.layer_idx),
+    @classmethod
+    def paper(cls, compression_ratio: float = 0.0, seed: int | None = None) -> CompressKVPress:
+        """The WildCat paper's CompressKV (Alg. 2): 32 sink + 32 window tokens exact, the middle a binned RPNys
+        coreset with 12 pivots a bin and Nystrom weights, R_Q = R_K per bin; no reference queries, no fit."""
+        return cls(
+            compression_ratio=compression_ratio,
+            seed=seed,
+            sink_size=32,
+            window_size=32,
+            selection="rpnys",
+            reference=(),
+            fit="none",
+            bin_rank=12,
+            query_radius="keys",
         )
 
-    @staticmethod
-    def prefill_query_radius(module: torch.nn.Module, kwargs: dict) -> torch.Tensor:
-        """Max post-RoPE query norm per (batch row, KV head) over the prefill: ``[b, h_kv]`` float32."""
-        queries = get_prerope_query_states(module, kwargs["hidden_states"])  # [b, h_q, n, d]
-        cos, sin = kwargs["position_embeddings"]
-        queries = queries * cos.unsqueeze(1) + rotate_half(queries) * sin.unsqueeze(1)
-        norms = queries.float().norm(dim=-1).amax(-1)  # [b, h_q]
-        return norms.view(norms.shape[0], -1, module.num_key_value_groups).amax(-1)
+    def reference_sources(self) -> tuple[str, ...]:
+        return () if self.selection == "rpnys" else self.reference
+
+    def repeat_samples(self) -> int:
+        return self.fit_queries if self.fit != "none" else 0
+
+    def record_reference(self, module, kwargs, keys) -> LayerReference:
+        if self.selection == "rpnys":
+            radius = prefill_query_radius(module, kwargs) if self.query_radius == "queries" else None
+            return LayerReference(query_radius=radius)
+        return record_prefill(module, kwargs, keys, self.reference, self.observation_window, self.fit_queries)
+
+    def compress_middle(self, module, keys, values, start, end, rows, reference):
+        if self.selection == "rpnys":
+            return compress_by_rpnys(
+                module,
+                keys[:, :, start:end],
+                values[:, :, start:end],
+                rows,
+                self.bin_rank,
+                reference.query_radius,
+                self.layer_seed(module.layer_idx),
+            )
+        scores = mixed_scores(reference, start, end, {"repeat": self.repeat_weight}, {"window": self.pool_kernel})
+        if self.selection == "hybrid":
+            return compress_hybrid(
+                module,
+                keys,
+                values,
+                start,
+                end,
+                rows,
+                scores,
+                self.hybrid_fraction,
+                self.bin_rank,
+                self.layer_seed(module.layer_idx),
+            )
+        fit = (
+            None
+            if self.fit == "none"
+            else dict(fit_values=self.fit == "values", bin_rows=self.fit_bin_rows, ridge=self.fit_ridge)
+        )
+        return compress_by_attention(module, keys, values, start, end, rows, scores, reference, fit)
 
 
 @dataclass
@@ -185,7 +374,8 @@ class UniformPress(WeightedSubsetPress):
 
     weighted: bool = False
 
-    def compress_middle(self, module, keys, values, rows, kwargs):
+    def compress_middle(self, module, keys, values, start, end, rows, reference):
+        keys, values = keys[:, :, start:end], values[:, :, start:end]
         batch, heads, length, _ = keys.shape
         generator = None
         if self.seed is not None:

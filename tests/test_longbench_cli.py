@@ -131,7 +131,7 @@ def test_press_options_from_yaml_and_flags_reach_the_press_and_the_run_identity(
     cfg = longbench.parse_config(["--config", str(config), "--press-option", "compresskv.window_size=128"])
     assert cfg.press_options == {"compresskv": {"window_size": 128, "bin_rank": 8}, "snapkv": {"kernel_size": 7}}
     press = longbench.make_press("compresskv", cfg.ratio, cfg.seed, cfg.press_options["compresskv"])
-    assert (press.window_size, press.bin_rank, press.sink_size, press.compression_ratio) == (128, 8, 32, 0.75)
+    assert (press.window_size, press.bin_rank, press.sink_size, press.compression_ratio) == (128, 8, 4, 0.75)
     assert longbench.make_press("snapkv", 0.5, 0, cfg.press_options["snapkv"]).kernel_size == 7
     assert longbench.prediction_settings(cfg)["press_options"] == cfg.press_options
     assert (

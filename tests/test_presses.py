@@ -112,7 +112,8 @@ def test_model_attention_equals_weighted_attention_on_the_same_tensors():
     seen_values = {}
 
     def remember_context_values(module, args, kwargs, output):  # registered before the press: sees the full context
-        seen_values[module.layer_idx] = kwargs["past_key_values"].layers[module.layer_idx].values.clone()
+        values = kwargs["past_key_values"].layers[module.layer_idx].values
+        seen_values.setdefault(module.layer_idx, values.clone())  # the prefill's call, not the repeat pass's
 
     hooks = [
         layer.self_attn.register_forward_hook(remember_context_values, with_kwargs=True) for layer in model.model.layers

@@ -1,0 +1,217 @@
+"""Attention matching on plain tensors: fit the mass ``w`` and values ``V_S`` of kept rows to reference queries.
+
+After a selection keeps rows ``S`` of a context (the protected sink/window rows ``P`` stay exact), weighted
+attention over ``P`` and ``S`` should reproduce exact attention over all rows for the queries to come.
+With reference queries ``q`` and their exact probabilities ``p_j(q)`` over the whole context (softmax
+over all n rows), the kept rows are fitted bin by bin (cf. Zweiger et al., "Fast KV Compaction via
+Attention Matching", arXiv 2602.16284, which fits one global system per head):
+
+* Bins: the kept rows, in position order, are cut into groups of ``bin_rows``; bin ``t`` owns the
+  non-protected positions from its first kept row up to the next bin's first kept row (the first bin
+  also owns the positions before it). Every dropped row thus belongs to the bin of its nearest kept
+  rows on the left, and each bin's kept rows must stand for the rows it owns.
+* Mass (denominator): ``sum_{i in t} p_i(q) w_i ~ z_t(q) = sum_{j owned by t} p_j(q)``.
+* Values (numerator): ``sum_{i in t} p_i(q) V_S[i] ~ sum_{j owned by t} p_j(q) v_j``.
+
+Both are linear least squares over the queries with the same Gram matrix ``G_t = sum_q a_t a_t^T``
+(``a_t(q)`` = the kept rows' probabilities), regularised toward eviction (``w = 1``, ``V_S = v``) by a
+ridge ``ridge * mean(diag G)``: one batched Cholesky solve per layer, ``[problems, bins, k, k]``.
+``w`` is clamped to ``[e^-c, e^c]`` (``c = max_log_weight``) so that every weight stays positive.
+
+A fit memorises its queries, so it is validated per (batch row, KV head): fitted on the even-numbered
+queries, it must lower the attention-output error on the odd ones, and fitted on all queries it must
+lower the error on all of them; otherwise that head keeps the unfitted rows. Cost per head: O(m n (k + d))
+for the sums (m queries, n rows) and O(r k^2) for the solves (r kept rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass
+class FitResult:
+    """weights ``[b, h_kv, r]`` float32 (> 0); values ``[b, h_kv, r, d_v]`` in the input dtype; accepted
+    ``[b, h_kv]`` bool: where False the rows are the unfitted ones (``w = 1``, ``V_S = v``)."""
+
+    weights: torch.Tensor
+    values: torch.Tensor
+    accepted: torch.Tensor
+
+
+def _probabilities(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, positions: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax over all n keys: queries ``[P, M, d]``, keys ``[P, n, d]`` -> ``[P, M, n]`` float32."""
+    logits = (queries.float() @ keys.float().transpose(-1, -2)) * scaling
+    if positions is not None:
+        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= positions[:, None]
+        logits = logits.masked_fill(~visible[None], -math.inf)
+    return torch.softmax(logits, dim=-1)
+
+
+def _sums(
+    prob: torch.Tensor, kept: torch.Tensor, owner: torch.Tensor, values: torch.Tensor, bins: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normal-equation pieces of one query set: Gram ``[P, T, k, k]``, mass rhs ``[P, T, k]``, value rhs
+    ``[P, T, k, d]``, float64. ``prob [P, M, n]``; ``owner [P, n]``: bin of each position (-1: protected),
+    non-decreasing along positions; ``kept [P, T * k]`` (padded).
+
+    With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
+    ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``,
+    where ``c_ji = sum_q p_j(q) a_ti(q)``: a matmul over the queries, computed per block of positions
+    against the few bins that block's positions belong to.
+    """
+    problems, m, n = prob.shape
+    d = values.shape[-1]
+    a = prob.gather(2, kept[:, None, :].expand(-1, m, -1))  # [P, M, T * k]
+    blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)  # [P, T, k, M]
+    gram = (blocks @ blocks.transpose(-1, -2)).double()
+    mass = prob.new_zeros(problems, bins, k, dtype=torch.float64)
+    value_rhs = prob.new_zeros(problems, bins, k, d, dtype=torch.float64)
+    inside = owner >= 0
+    slots = torch.arange(k, device=prob.device)
+    block = max(k, _CHUNK_ELEMENTS // max(1, problems * max(m, k * d)))
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        owners, valid = owner[:, start:stop], inside[:, start:stop]
+        if not bool(valid.any()):
+            continue
+        low = int(owners.masked_fill(~valid, bins).min())
+        high = int(owners.max())
+        columns = a[:, :, low * k : (high + 1) * k]  # the kept rows of bins low..high
+        c_all = prob[:, :, start:stop].transpose(1, 2) @ columns  # [P, block, columns]
+        local = ((owners - low).clamp_min(0) * k)[..., None] + slots  # each position's own bin
+        c = (c_all.gather(2, local) * valid[..., None]).double()  # [P, block, k]
+        target = owners.clamp_min(low)[..., None].expand(-1, -1, k)
+        mass.scatter_add_(1, target, c)
+        weighted = c[..., None] * values[:, start:stop, None, :]  # [P, block, k, d]
+        value_rhs.scatter_add_(1, target[..., None].expand(-1, -1, -1, d), weighted)
+    return gram, mass, value_rhs
+
+
+def _solve(
+    gram: torch.Tensor,
+    mass: torch.Tensor,
+    value_rhs: torch.Tensor,
+    prior_values: torch.Tensor,
+    pad: torch.Tensor,
+    ridge: float,
+    fit_values: bool,
+    max_log_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge solve toward ``w = 1``, ``V_S = w v``; padded slots stay at the prior. Returns ``[P, T, k]``,
+    ``[P, T, k, d]``."""
+    k = gram.shape[-1]
+    diag = gram.diagonal(dim1=-2, dim2=-1)
+    scale = diag.mean(dim=(-1, -2), keepdim=True).clamp_min(1e-300)[..., None]  # per problem
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    system = gram * ~pad[..., :, None] * ~pad[..., None, :] + ridge * scale * eye
+    factor = torch.linalg.cholesky(system)
+    prior = ridge * scale[..., 0]
+    weights = torch.cholesky_solve((mass + prior)[..., None], factor)[..., 0]
+    weights = torch.where(pad, torch.ones_like(weights), weights).clamp(
+        math.exp(-max_log_weight), math.exp(max_log_weight)
+    )
+    values = prior_values * weights[..., None]
+    if fit_values:
+        values = torch.cholesky_solve(value_rhs + prior[..., None] * values, factor)
+        values = torch.where(pad[..., None], prior_values, values)
+    return weights, values
+
+
+class _QuerySet:
+    """One set of reference queries, precomputed to score candidate fits: exact outputs and the protected
+    rows' parts of weighted attention (float64)."""
+
+    def __init__(self, prob: torch.Tensor, kept: torch.Tensor, protected: torch.Tensor, values: torch.Tensor):
+        prob = prob.double()
+        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, r]
+        self.exact = prob @ values  # [P, M, d]
+        protected_prob = prob * protected[None, None, :]
+        self.numerator = protected_prob @ values
+        self.denominator = protected_prob.sum(-1)
+
+    def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
+        """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention."""
+        numerator = self.numerator + self.kept_prob @ kept_values
+        denominator = self.denominator + (self.kept_prob @ weights[..., None])[..., 0]
+        out = numerator / denominator.clamp_min(1e-300)[..., None]
+        return ((out - self.exact) ** 2).sum(dim=(1, 2))
+
+
+def fit_kept_rows(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    protected: torch.Tensor,
+    queries: torch.Tensor,
+    scaling: float,
+    *,
+    query_positions: torch.Tensor | None = None,
+    bin_rows: int = 16,
+    ridge: float = 0.1,
+    fit_values: bool = True,
+    max_log_weight: float = 3.0,
+) -> FitResult:
+    """Fit the kept rows of a context to reference queries (module docstring).
+
+    Probabilities and their products run in float32, the sums, solves and error checks in float64.
+
+    keys ``[b, h_kv, n, d]``, values ``[b, h_kv, n, d_v]``: the whole context. kept ``[b, h_kv, r]`` int64,
+    sorted positions of the kept non-protected rows. protected ``[n]`` bool: rows kept exact and
+    outside the fit. queries ``[b, h_q, m, d]`` (post-RoPE, ``h_q`` a multiple of ``h_kv``; every query
+    head of a group is a reference query of its KV head); ``query_positions`` ``[m]`` as in
+    :func:`kvcompress.selection.attention_mass`. ``fit_values=False`` fits only the mass and scales the
+    kept values with it (``V_S = w v``). Needs at least 2 queries per KV head (the validation split).
+    """
+    batch, heads_kv, n, dim = keys.shape
+    r, d_v = kept.shape[-1], values.shape[-1]
+    heads_q, m = queries.shape[1], queries.shape[2]
+    group = heads_q // heads_kv
+    problems = batch * heads_kv
+    flat_keys = keys.reshape(problems, n, dim)
+    flat_values = values.reshape(problems, n, d_v).double()
+    flat_kept = kept.reshape(problems, r)
+    grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
+    positions = None if query_positions is None else query_positions.to(keys.device).repeat(group)
+
+    k = min(bin_rows, r)
+    bins = -(-r // k)
+    padded = torch.cat([flat_kept, flat_kept[:, -1:].expand(-1, bins * k - r)], dim=1)
+    pad = (torch.arange(bins * k, device=keys.device) >= r).reshape(bins, k).expand(problems, -1, -1)
+    # Bin of every position: (number of kept rows at or before it, minus one) // k; protected: -1.
+    at_or_before = torch.searchsorted(
+        flat_kept, torch.arange(n, device=keys.device).expand(problems, n).contiguous(), right=True
+    )
+    owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(protected[None, :].to(keys.device), -1)
+
+    prob = _probabilities(grouped, flat_keys, scaling, positions)
+    halves = [prob[:, start::2] for start in (0, 1)]  # fit on the even queries, validate on the odd ones
+    sums = [_sums(half, padded, owner, flat_values, bins, k) for half in halves]
+    checks = [_QuerySet(half, flat_kept, protected, flat_values) for half in halves]
+    prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
+    solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
+
+    def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return w.reshape(problems, bins * k)[:, :r], v.reshape(problems, bins * k, d_v)[:, :r]
+
+    ones, unfitted = flat(torch.ones(problems, bins, k, dtype=torch.float64, device=keys.device), prior_values)
+    plain = [check.error(ones, unfitted) for check in checks]
+    held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
+    better_held_out = checks[1].error(held_w, held_v) < plain[1]
+    fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
+    better_in_sample = checks[0].error(fit_w, fit_v) + checks[1].error(fit_w, fit_v) < plain[0] + plain[1]
+    accepted = better_held_out & better_in_sample
+    weights = torch.where(accepted[:, None], fit_w, ones).float()
+    kept_values = torch.where(accepted[:, None, None], fit_v, unfitted).to(values.dtype)
+    return FitResult(
+        weights=weights.reshape(batch, heads_kv, r),
+        values=kept_values.reshape(batch, heads_kv, r, d_v),
+        accepted=accepted.reshape(batch, heads_kv),
+    )

@@ -1,0 +1,124 @@
+"""Reference queries for query-aware compression, collected per layer while the context is prefilled.
+
+Three sources, each giving every context key an attention mass (:func:`kvcompress.selection.attention_mass`)
+and a few queries for the fit (:mod:`kvcompress.fitting`):
+
+* ``"window"``: the last ``observation_window`` context queries, causal (what SnapKV scores with).
+* ``"prefill"``: ``samples`` prefill queries spread evenly over the context, causal.
+* ``"repeat"``: a second pass over the context's own tokens right after it, in chunks, each chunk cropped
+  away again. Reading the text again, the model's queries look back at the rows it needs to reproduce it
+  (the reconstruction idea of KVzip, Kim et al., arXiv 2505.23416, without its prompt, so no tokenizer is
+  needed). It costs about one more prefill, and the full cache of every layer is held until it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from kvpress.utils import get_prerope_query_states
+from transformers.models.llama.modeling_llama import rotate_half
+
+from kvcompress.selection import attention_mass
+
+SOURCES = ("window", "prefill", "repeat")
+
+
+def post_rope_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """The attention module's queries for ``hidden_states [b, m, hidden]`` with RoPE: ``[b, h_q, m, d]``."""
+    queries = get_prerope_query_states(module, hidden_states)
+    cos, sin = position_embeddings
+    return queries * cos.unsqueeze(1) + rotate_half(queries) * sin.unsqueeze(1)
+
+
+def even_sample(length: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``min(count, length)`` indices spread evenly over ``range(length)``, ending at the last one."""
+    count = min(count, length)
+    return torch.linspace(length - 1, 0, count, device=device).round().long().flip(0)
+
+
+@dataclass
+class LayerReference:
+    """One layer's view of the reference queries.
+
+    mass: source -> ``[b, h_kv, n]`` float32 attention mass over the n context keys (summed over queries).
+    queries: ``[b, h_q, m_i, d]`` samples for the fit; positions: their ``[m_i]`` int64 positions
+    (context length - 1 for queries after the context: they see every context key).
+    query_radius: ``[b, h_kv]`` max post-RoPE prefill query norm per KV head group (RPNys's R_Q), if asked.
+    """
+
+    mass: dict[str, torch.Tensor] = field(default_factory=dict)
+    queries: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    query_radius: torch.Tensor | None = None
+
+    def add(self, source: str, mass: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        self.mass[source] = self.mass[source] + mass if source in self.mass else mass
+        self.queries.append(queries)
+        self.positions.append(positions)
+
+    def fit_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All fit queries ``[b, h_q, m, d]`` and their positions ``[m]``."""
+        return torch.cat(self.queries, dim=2), torch.cat(self.positions)
+
+
+def record_prefill(
+    module: torch.nn.Module,
+    kwargs: dict,
+    keys: torch.Tensor,
+    sources: tuple[str, ...],
+    observation_window: int,
+    samples: int,
+) -> LayerReference:
+    """The ``"window"`` and ``"prefill"`` sources of one layer from its prefill call (hook ``kwargs``)."""
+    reference = LayerReference()
+    hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
+    n = keys.shape[-2]
+    picks = {}
+    if "window" in sources:
+        picks["window"] = torch.arange(max(0, n - observation_window), n, device=keys.device)
+    if "prefill" in sources:
+        picks["prefill"] = even_sample(n, samples, keys.device)
+    for source, index in picks.items():
+        queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
+        reference.add(source, attention_mass(queries, keys, module.scaling, query_positions=index), queries, index)
+    return reference
+
+
+def prefill_query_radius(module: torch.nn.Module, kwargs: dict) -> torch.Tensor:
+    """Max post-RoPE query norm per (batch row, KV head) over the prefill: ``[b, h_kv]`` float32."""
+    queries = post_rope_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"])
+    norms = queries.float().norm(dim=-1).amax(-1)  # [b, h_q]
+    return norms.view(norms.shape[0], -1, module.num_key_value_groups).amax(-1)
+
+
+def record_repeat(
+    module: torch.nn.Module, kwargs: dict, keys: torch.Tensor, reference: LayerReference, samples: int, total: int
+) -> None:
+    """Add one repeat chunk's queries (hook ``kwargs`` of the chunk's forward) to ``reference``.
+
+    ``keys``: the layer's context keys ``[b, h_kv, n, d]`` (without the chunk's own rows). ``samples`` of the
+    ``total`` repeat queries are kept for the fit, spread evenly over the chunks in proportion to their size.
+    """
+    hidden = kwargs["hidden_states"]
+    queries = post_rope_queries(module, hidden, kwargs["position_embeddings"])
+    mass = attention_mass(queries, keys, module.scaling)
+    keep = even_sample(hidden.shape[1], max(1, round(samples * hidden.shape[1] / total)), keys.device)
+    positions = torch.full((len(keep),), keys.shape[-2] - 1, dtype=torch.long, device=keys.device)
+    reference.add("repeat", mass, queries[:, :, keep], positions)
+
+
+def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int) -> None:
+    """Feed ``input_ids [b, n]`` again after the n cached context tokens, ``chunk_size`` tokens at a time,
+    restoring every cache layer to the context after each chunk (the layers' hooks record the queries).
+
+    Layers are restored from references to their tensors, not cropped: cache updates concatenate into new
+    tensors, and a sliding-window layer that has seen more than its window cannot be cropped.
+    """
+    n = input_ids.shape[1]
+    saved = [dict(vars(layer)) for layer in cache.layers]
+    with torch.no_grad():
+        for start in range(0, n, chunk_size):
+            decoder(input_ids=input_ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True)
+            for layer, state in zip(cache.layers, saved, strict=True):
+                vars(layer).update(state)

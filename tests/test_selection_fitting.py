@@ -1,0 +1,158 @@
+"""Query-aware selection and attention-matching fits on plain tensors, against float64 references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcompress import selection
+from kvcompress.fitting import fit_kept_rows
+from kvcompress.selection import attention_mass, normalise, pool_scores, top_rows
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _reference_mass(queries, keys, scaling, positions):
+    """float64, one query at a time: the definition of attention_mass."""
+    batch, heads_q, m, _ = queries.shape
+    heads_kv, n = keys.shape[1], keys.shape[2]
+    group = heads_q // heads_kv
+    out = torch.zeros(batch, heads_kv, n, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads_q):
+            for i in range(m):
+                logits = scaling * keys[b, h // group].double() @ queries[b, h, i].double()
+                if positions is not None:
+                    logits[positions[i] + 1 :] = -math.inf
+                out[b, h // group] += torch.softmax(logits, 0)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_mass_matches_float64_reference_with_gqa(causal, monkeypatch):
+    g = _generator(1)
+    queries, keys = torch.randn(2, 6, 9, 16, generator=g) * 2, torch.randn(2, 2, 40, 16, generator=g) * 2
+    positions = torch.randint(0, 40, (9,), generator=g) if causal else None
+    expected = _reference_mass(queries, keys, 0.25, positions)
+    got = attention_mass(queries, keys, 0.25, query_positions=positions)
+    assert got.dtype == torch.float32 and got.shape == (2, 2, 40)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.sum(-1), torch.full((2, 2), 27.0))  # every query gives 1, 3 heads x 9 queries
+    monkeypatch.setattr(selection, "_CHUNK_ELEMENTS", 100)  # one query at a time: same result
+    torch.testing.assert_close(attention_mass(queries, keys, 0.25, query_positions=positions), got)
+
+
+def test_pool_normalise_and_top_rows():
+    scores = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 1.0, 1.0, 1.0]])
+    pooled = pool_scores(scores, 3)
+    torch.testing.assert_close(pooled[0, 1:4], torch.tensor([5 / 3, 5 / 3, 5 / 3]))
+    assert torch.equal(pool_scores(scores, 1), scores)
+    assert torch.equal(normalise(torch.zeros(2, 5)), torch.zeros(2, 5))
+    torch.testing.assert_close(normalise(scores).sum(), torch.tensor(1.0))
+    # Highest first, ties toward the earlier position, returned in position order.
+    assert top_rows(scores, 2).tolist() == [[2, 5]]
+    assert top_rows(torch.ones(1, 6), 3).tolist() == [[0, 1, 2]]
+
+
+def _exact_output(queries, keys, values, scaling):
+    grouped = queries.double().reshape(keys.shape[0], keys.shape[1], -1, queries.shape[-1])
+    probs = torch.softmax(scaling * grouped @ keys.double().transpose(-1, -2), -1)
+    return probs @ values.double()
+
+
+def _weighted_output(queries, keys, values, weights, scaling):
+    grouped = queries.double().reshape(keys.shape[0], keys.shape[1], -1, queries.shape[-1])
+    logits = scaling * grouped @ keys.double().transpose(-1, -2)
+    e = torch.exp(logits - logits.amax(-1, keepdim=True))
+    return (e @ values.double()) / (e @ weights.double()[..., None])
+
+
+def _compressed(keys, values, kept, protected, result):
+    """Protected rows exact (w = 1) followed by the kept rows with the fit's weights and values."""
+    index = protected.nonzero()[:, 0].expand(*kept.shape[:2], -1)
+    rows = torch.cat([index, kept], -1)
+    k = keys.gather(2, rows[..., None].expand(-1, -1, -1, keys.shape[-1]))
+    v = torch.cat([values.gather(2, index[..., None].expand(-1, -1, -1, values.shape[-1])), result.values], 2)
+    w = torch.cat([torch.ones(index.shape), result.weights], -1)
+    return k, v, w
+
+
+def _paired_problem(seed: int, pairs: int = 48, dim: int = 16):
+    """Keys in near-duplicate pairs (rows 2i, 2i+1) after 4 protected rows; the even row of each pair is kept."""
+    g = _generator(seed)
+    base = torch.randn(1, 2, pairs, dim, generator=g) * 1.5
+    twins = torch.stack([base, base + 0.01 * torch.randn(base.shape, generator=g)], 3).reshape(1, 2, 2 * pairs, dim)
+    keys = torch.cat([torch.randn(1, 2, 4, dim, generator=g), twins], 2)
+    values = torch.randn(1, 2, keys.shape[2], dim, generator=g)
+    n = keys.shape[2]
+    protected = torch.arange(n) < 4
+    kept = (4 + 2 * torch.arange(pairs)).expand(1, 2, -1).contiguous()
+    return keys, values, kept, protected
+
+
+def test_fit_merges_near_duplicate_rows_and_generalises_to_new_queries():
+    keys, values, kept, protected = _paired_problem(0)
+    g = _generator(1)
+    reference = torch.randn(1, 4, 64, 16, generator=g)  # GQA: 2 query heads per KV head
+    fresh = torch.randn(1, 4, 64, 16, generator=g)
+    result = fit_kept_rows(keys, values, kept, protected, reference, 0.25, ridge=1e-4)
+    assert result.accepted.all()
+    # Each kept row stands for itself and its twin: mass ~2, value ~ v_even + v_odd.
+    torch.testing.assert_close(result.weights, torch.full_like(result.weights, 2.0), rtol=0.02, atol=0.02)
+    pair_sum = values[:, :, 4::2] + values[:, :, 5::2]
+    value_error = (result.values - pair_sum).abs()
+    assert value_error.mean() < 0.02 and value_error.max() < 0.15  # |v| ~ 1-5; the twins differ by ~1%
+    exact = _exact_output(fresh, keys, values, 0.25)
+    unfitted = fit_kept_rows(keys, values, kept, protected, reference, 0.25, ridge=1e30)  # the prior: eviction
+    evicted = _weighted_output(fresh, *_compressed(keys, values, kept, protected, unfitted), 0.25)
+    fitted = _weighted_output(fresh, *_compressed(keys, values, kept, protected, result), 0.25)
+    assert (fitted - exact).norm() < 0.05 * (evicted - exact).norm()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fit_never_raises_the_error_on_its_own_reference_queries(seed):
+    g = _generator(seed)
+    keys, values = torch.randn(2, 3, 120, 16, generator=g) * 1.5, torch.randn(2, 3, 120, 16, generator=g)
+    queries = torch.randn(2, 6, 24, 16, generator=g) * 1.5
+    protected = (torch.arange(120) < 4) | (torch.arange(120) >= 110)
+    scores = torch.rand(2, 3, 120, generator=g).masked_fill(protected, -1)
+    kept = top_rows(scores, 30)
+    result = fit_kept_rows(keys, values, kept, protected, queries, 0.25, bin_rows=8)
+    unfitted = fit_kept_rows(keys, values, kept, protected, queries, 0.25, ridge=1e30)
+    assert torch.equal(unfitted.weights, torch.ones_like(unfitted.weights))
+    exact = _exact_output(queries, keys, values, 0.25)
+    fitted_err = (_weighted_output(queries, *_compressed(keys, values, kept, protected, result), 0.25) - exact).pow(2)
+    plain_err = (_weighted_output(queries, *_compressed(keys, values, kept, protected, unfitted), 0.25) - exact).pow(2)
+    per_head_fitted, per_head_plain = fitted_err.sum((-1, -2)), plain_err.sum((-1, -2))
+    assert (per_head_fitted <= per_head_plain * (1 + 1e-9)).all()
+    assert torch.equal(per_head_fitted < per_head_plain, result.accepted)  # rejected heads keep the plain rows
+    assert (result.weights > 0).all() and torch.isfinite(result.values).all()
+
+
+def test_fit_is_exact_when_nothing_is_dropped():
+    g = _generator(5)
+    keys, values = torch.randn(1, 2, 50, 8, generator=g), torch.randn(1, 2, 50, 8, generator=g)
+    queries = torch.randn(1, 2, 16, 8, generator=g)
+    protected = torch.arange(50) < 2
+    kept = torch.arange(2, 50).expand(1, 2, -1).contiguous()
+    result = fit_kept_rows(keys, values, kept, protected, queries, 0.3)
+    k, v, w = _compressed(keys, values, kept, protected, result)
+    torch.testing.assert_close(
+        _weighted_output(queries, k, v, w, 0.3), _exact_output(queries, keys, values, 0.3), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_weights_only_fit_scales_kept_values_and_low_precision_stays_finite():
+    keys, values, kept, protected = _paired_problem(3)
+    queries = torch.randn(1, 2, 40, 16, generator=_generator(4))
+    result = fit_kept_rows(keys, values, kept, protected, queries, 0.25, fit_values=False, ridge=1e-4)
+    kept_values = values.gather(2, kept[..., None].expand(-1, -1, -1, 16))
+    torch.testing.assert_close(result.values, kept_values * result.weights[..., None])
+    for dtype in (torch.bfloat16, torch.float16):
+        low = fit_kept_rows(keys.to(dtype), values.to(dtype), kept, protected, queries.to(dtype), 0.25)
+        assert low.values.dtype == dtype and low.weights.dtype == torch.float32
+        assert torch.isfinite(low.values).all() and (low.weights > 0).all()
