@@ -15,8 +15,9 @@ the prompt (the question) and the answer prefix ("Answer:", "Summary:", "Next li
 which kvpress puts after the assistant turn, are not compressed; greedy decoding of
 ``MAX_NEW_TOKENS[task] + 20`` tokens; LongBench's metric per task (``eval.longbench_metrics``), x 100;
 Average = unweighted mean over the tasks. Methods: ``exact`` (no press), ``compresskv``
-(``CompressKVPress(compression_ratio=1 - ratio, seed=seed)``: 12 pivots per bin, first/last 32 tokens
-kept), ``uniform`` (``UniformPress``, same protection), and kvpress's ``snapkv`` (window 64, kernel 5),
+(``CompressKVPress(compression_ratio=1 - ratio, seed=seed)``: the library's default),
+``compresskv_paper`` (``CompressKVPress.paper(...)``: the WildCat paper's binned RPNys, 12 pivots per bin,
+first/last 32 tokens kept), ``uniform`` (``UniformPress``), and kvpress's ``snapkv`` (window 64, kernel 5),
 ``streamingllm`` (4 sinks), ``pyramidkv`` (window 64, kernel 5, beta 20). ``--ratio`` is the KEPT
 fraction (0.25 keeps a quarter of the cache: ``compression_ratio = 0.75``). ``--press-option
 compresskv.window_size=128`` (repeatable; ``press_options`` in the YAML) changes one field of a method's
@@ -195,6 +196,7 @@ COLUMN_NAMES: dict[str, str] = {**LONGBENCH_TASKS, **{t: t for t in offline_suit
 METHODS: dict[str, str] = {  # name -> row label
     "exact": "Exact",
     "compresskv": "CompressKV",
+    "compresskv_paper": "CompressKV (paper)",
     "snapkv": "SnapKV",
     "streamingllm": "StreamingLLM",
     "uniform": "Uniform",
@@ -624,6 +626,10 @@ def make_press(method: str, ratio: float, seed: int, options: dict[str, Any] | N
 
         cls = CompressKVPress if method == "compresskv" else UniformPress
         return cls(**{"compression_ratio": compression, "seed": seed, **options})
+    if method == "compresskv_paper":
+        from kvcompress import CompressKVPress
+
+        return CompressKVPress.paper(compression, seed, **options)
     from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
 
     if method == "snapkv":

@@ -42,6 +42,8 @@ from kvcompress.reference import (
     record_prefill,
     record_repeat,
     repeat_context,
+    restore_layer,
+    snapshot_layers,
 )
 
 logger = hf_logging.get_logger(__name__)
@@ -93,6 +95,7 @@ class WeightedSubsetPress(BasePress):
     seed: int | None = None
     _pending: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _repeating: bool = field(default=False, init=False, repr=False, compare=False)
+    _snapshot: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_number("compression_ratio", self.compression_ratio, 0, 1)
@@ -168,6 +171,7 @@ class WeightedSubsetPress(BasePress):
                 pending = self._pending[module.layer_idx]
                 keys = cache.layers[module.layer_idx].keys[:, :, : pending["tokens"]]
                 record_repeat(module, kwargs, keys, pending["reference"], self.repeat_samples(), pending["tokens"])
+            restore_layer(cache, module.layer_idx, self._snapshot)
             return output
         if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             return output  # only the prefill is compressed
@@ -206,11 +210,11 @@ class WeightedSubsetPress(BasePress):
                 f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
                 "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
             )
-        self._pending, self._repeating = pending, True
+        self._pending, self._repeating, self._snapshot = pending, True, snapshot_layers(cache)
         try:
-            repeat_context(decoder, input_ids, cache, self.repeat_chunk)
+            repeat_context(decoder, input_ids, cache, self.repeat_chunk, self._snapshot)
         finally:
-            self._pending, self._repeating = {}, False
+            self._pending, self._repeating, self._snapshot = {}, False, []
         for state in pending.values():
             self._compress_layer(state["module"], cache, state["reference"])
 
@@ -302,20 +306,14 @@ class CompressKVPress(WeightedSubsetPress):
         _check_choice("query_radius", self.query_radius, ("keys", "queries"))
 
     @classmethod
-    def paper(cls, compression_ratio: float = 0.0, seed: int | None = None) -> CompressKVPress:
+    def paper(cls, compression_ratio: float = 0.0, seed: int | None = None, **overrides: Any) -> CompressKVPress:
         """The WildCat paper's CompressKV (Alg. 2): 32 sink + 32 window tokens exact, the middle a binned RPNys
-        coreset with 12 pivots a bin and Nystrom weights, R_Q = R_K per bin; no reference queries, no fit."""
-        return cls(
-            compression_ratio=compression_ratio,
-            seed=seed,
-            sink_size=32,
-            window_size=32,
-            selection="rpnys",
-            reference=(),
-            fit="none",
-            bin_rank=12,
-            query_radius="keys",
+        coreset with 12 pivots a bin and Nystrom weights, R_Q = R_K per bin; no reference queries, no fit.
+        ``overrides`` change single fields of that setting (e.g. ``window_size=128``)."""
+        settings = dict(
+            sink_size=32, window_size=32, selection="rpnys", reference=(), fit="none", bin_rank=12, query_radius="keys"
         )
+        return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
     def reference_sources(self) -> tuple[str, ...]:
         return () if self.selection == "rpnys" else self.reference

@@ -108,17 +108,27 @@ def record_repeat(
     reference.add("repeat", mass, queries[:, :, keep], positions)
 
 
-def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int) -> None:
-    """Feed ``input_ids [b, n]`` again after the n cached context tokens, ``chunk_size`` tokens at a time,
-    restoring every cache layer to the context after each chunk (the layers' hooks record the queries).
+def snapshot_layers(cache) -> list[dict]:
+    """The attribute state of every cache layer (references to its tensors, no copies)."""
+    return [dict(vars(layer)) for layer in cache.layers]
+
+
+def restore_layer(cache, layer_idx: int, snapshot: list[dict]) -> None:
+    """Put layer ``layer_idx`` back as it was in ``snapshot``.
 
     Layers are restored from references to their tensors, not cropped: cache updates concatenate into new
     tensors, and a sliding-window layer that has seen more than its window cannot be cropped.
     """
+    vars(cache.layers[layer_idx]).update(snapshot[layer_idx])
+
+
+def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int, snapshot: list) -> None:
+    """Feed ``input_ids [b, n]`` again after the n cached context tokens, ``chunk_size`` tokens at a time
+    (the layers' hooks record the queries and restore their layer from ``snapshot`` as soon as its attention
+    has run, so only one layer at a time holds the chunk's rows); every layer is restored after each chunk."""
     n = input_ids.shape[1]
-    saved = [dict(vars(layer)) for layer in cache.layers]
     with torch.no_grad():
         for start in range(0, n, chunk_size):
             decoder(input_ids=input_ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True)
-            for layer, state in zip(cache.layers, saved, strict=True):
-                vars(layer).update(state)
+            for layer_idx in range(len(cache.layers)):
+                restore_layer(cache, layer_idx, snapshot)

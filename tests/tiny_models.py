@@ -46,9 +46,9 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, *
         model = Phi3ForCausalLM(Phi3Config(pad_token_id=0, **kwargs))
     elif family == "gemma3":
         kwargs.update(num_hidden_layers=overrides.get("num_hidden_layers", 3), head_dim=16)
+        kwargs.setdefault("sliding_window", 4096)
         config = Gemma3TextConfig(
             layer_types=["sliding_attention", "full_attention", "sliding_attention"][: kwargs["num_hidden_layers"]],
-            sliding_window=4096,
             **kwargs,
         )
         model = Gemma3ForCausalLM(config)
