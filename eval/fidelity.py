@@ -7,7 +7,8 @@ once per context as kvpress's pipeline does, means with 95% bootstrap intervals 
 Run from the repository root: ``python -m eval.fidelity`` (defaults in ``configs/fidelity.yaml``; flags
 override the YAML, same keys). Outputs in ``--output-dir``: ``runs.jsonl`` (appended as rows finish; rerun the
 same command to resume), ``summary.csv``, ``summary.json``, ``layer_errors.csv``, ``fidelity.md``,
-``fidelity_kl.png``. Press specs: ``NAME`` or ``NAME[field=value,...]``, e.g. ``compresskv[window_size=128]``.
+``fidelity_kl.png``. ``--report-only``: no prefill, the outputs from the rows already in ``runs.jsonl``
+(the presses and fractions asked that have rows). Press specs: ``NAME`` or ``NAME[field=value,...]``, e.g. ``compresskv[window_size=128]``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Config(StudyConfig):
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = None  # torch threads (None: torch's default)
+    report_only: bool = False  # no prefill: the outputs from the rows already in runs.jsonl
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -49,6 +51,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         flag = "--" + f.name.replace("_", "-")
         if f.name in LIST_TYPES:
             parser.add_argument(flag, nargs="+", type=LIST_TYPES[f.name])
+        elif f.type in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", default=None)
         else:
             parser.add_argument(flag, type=str if f.name in STR_KEYS else int)
     args = vars(parser.parse_args(argv))
@@ -80,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     identity = dict(model=cfg.model or EMBEDDED_MODEL, dtype=cfg.dtype)
     try:
-        contexts, rows = run_study(pipe, cfg, identity)
+        contexts, rows = run_study(pipe, cfg, identity, run=not cfg.report_only)
     except ValueError as exc:
         raise SystemExit(f"fidelity: {exc}") from None
     plan = [(spec.label, kept) for spec, kept in planned(check_specs(cfg.presses, cfg.kept), cfg.kept)]
+    if cfg.report_only:
+        plan = [key for key in plan if any((row["press"], row["kept"]) == key for row in rows)]
     rows = [row for row in rows if (row["press"], row["kept"]) in plan]  # earlier runs may have had more presses
     table = summarize(rows, plan, [c.name for c in contexts], cfg.resamples, cfg.seed)
     meta = dict(

@@ -280,3 +280,14 @@ def test_cli_writes_every_output_flags_masking_and_resumes(tmp_path, embedded_di
     with pytest.raises(SystemExit) as info:
         fidelity.main([*argv, "--continuation-tokens", "8"])
     assert "\n" not in str(info.value) and "other settings" in str(info.value)
+
+    merged = tmp_path / "merged"  # parallel runs merged: concatenated rows, a repeated row counted once
+    merged.mkdir()
+    (merged / "settings.json").write_text((out / "settings.json").read_text())
+    (merged / "runs.jsonl").write_text((out / "runs.jsonl").read_text() * 2)
+    argv = [*argv[:-7], "--presses", "snapkv", "streamingllm", "--output-dir", str(merged), "--report-only"]
+    assert fidelity.main(argv) == 0
+    assert "already in" not in capsys.readouterr().out  # nothing prefilled, not even the exact pass
+    summary = json.loads((merged / "summary.json").read_text())["summary"]
+    assert [(e["press"], e["contexts"]) for e in summary] == [("exact", 1), ("snapkv", 1)]  # no streamingllm rows
+    assert len((merged / "runs.jsonl").read_text().splitlines()) == 8

@@ -3,7 +3,9 @@
 A run directory is tied to its settings (``settings.json``: the model identity, the context list with its
 needles, continuation length, seed, answer length, needle phrasing); rerunning into it with the same settings
 skips the (context, press, kept) rows already in ``runs.jsonl``, and with other settings is refused. The
-press list and kept fractions may change between runs into one directory (rows are added).
+press list and kept fractions may change between runs into one directory (rows are added). Runs made in
+parallel into separate directories with the same settings can be merged by concatenating their
+``runs.jsonl`` (a repeated row counts once) and reported with ``run=False``.
 """
 
 from __future__ import annotations
@@ -56,20 +58,23 @@ def row_key(row: dict) -> tuple[str, str, float]:
 
 
 def read_runs(path: Path) -> list[dict]:
-    """The rows of ``runs.jsonl`` (none if absent); a line cut short by an interrupted run is dropped from the file."""
+    """The rows of ``runs.jsonl`` (none if absent), the first of any repeated (context, press, kept) only; a
+    line cut short by an interrupted run is dropped from the file."""
     if not path.exists():
         return []
-    rows, good = [], []
+    rows: dict[tuple[str, str, float], dict] = {}
+    good = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
-            good.append(line)
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        good.append(line)
+        rows.setdefault(row_key(row), row)
     text = "".join(line + "\n" for line in good)
     if text != path.read_text():
         path.write_text(text)
-    return rows
+    return list(rows.values())
 
 
 def check_settings_file(path: Path, settings: dict) -> None:
@@ -106,12 +111,12 @@ def planned(specs: list[PressSpec], kept: list[float]) -> list[tuple[PressSpec, 
 
 
 def run_study(
-    pipe, cfg: StudyConfig, identity: dict, log: Callable[[str], None] = print
+    pipe, cfg: StudyConfig, identity: dict, log: Callable[[str], None] = print, run: bool = True
 ) -> tuple[list[Context], list[dict]]:
     """Run (or resume) the study in ``cfg.output_dir`` with the kvpress pipeline ``pipe``.
 
     Returns the contexts and every row of ``runs.jsonl``. A press that raises is recorded with its ``error``
-    (one line) and the study goes on.
+    (one line) and the study goes on. ``run=False``: only check the settings and read the rows already there.
     """
     specs = check_specs(cfg.presses, cfg.kept)
     contexts = build_contexts(
@@ -123,6 +128,8 @@ def run_study(
     runs = out / "runs.jsonl"
     done = {row_key(row) for row in read_runs(runs)}
     plan = planned(specs, cfg.kept)
+    if not run:
+        return contexts, read_runs(runs)
     prefill(pipe.model, None, contexts[0].ids[:, :64])  # warm-up: the first timed prefill is not a cold one
     with open(runs, "a") as handle:
         for index, ctx in enumerate(contexts):
