@@ -8,7 +8,8 @@ Run from the repository root: ``python -m eval.fidelity`` (defaults in ``configs
 override the YAML, same keys). Outputs in ``--output-dir``: ``runs.jsonl`` (appended as rows finish; rerun the
 same command to resume), ``summary.csv``, ``summary.json``, ``layer_errors.csv``, ``fidelity.md``,
 ``fidelity_kl.png``. ``--report-only``: no prefill, the outputs from the rows already in ``runs.jsonl``
-(the presses and fractions asked that have rows). Press specs: ``NAME`` or ``NAME[field=value,...]``, e.g. ``compresskv[window_size=128]``.
+(the presses and fractions asked that have rows; parallel run directories merge by concatenating their
+``runs.jsonl``). Press specs: ``NAME`` or ``NAME[field=value,...]``, e.g. ``compresskv[window_size=128]``.
 """
 
 from __future__ import annotations
