@@ -29,7 +29,7 @@ from kvcompress.fidelity.specs import check_specs
 from kvcompress.fidelity.study import StudyConfig, planned, run_study
 
 DEFAULT_CONFIG = Path("configs/fidelity.yaml")
-LIST_TYPES = {"presses": str, "kept": float, "kinds": str, "lengths": int, "depths": float}
+LIST_TYPES = {"presses": str, "kept": float, "kinds": str, "lengths": int, "depths": float, "contexts": str}
 STR_KEYS = ("model", "device", "dtype", "output_dir")
 
 

@@ -291,3 +291,6 @@ def test_cli_writes_every_output_flags_masking_and_resumes(tmp_path, embedded_di
     summary = json.loads((merged / "summary.json").read_text())["summary"]
     assert [(e["press"], e["contexts"]) for e in summary] == [("exact", 1), ("snapkv", 1)]  # no streamingllm rows
     assert len((merged / "runs.jsonl").read_text().splitlines()) == 8
+    with pytest.raises(SystemExit) as info:
+        fidelity.main([*argv, "--contexts", "prose-300-s9"])
+    assert "\n" not in str(info.value) and "contexts: unknown context names ['prose-300-s9']" in str(info.value)

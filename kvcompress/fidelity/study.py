@@ -50,6 +50,7 @@ class StudyConfig:
     max_new_tokens: int = 24
     seed: int = 0
     resamples: int = 2000  # bootstrap resamples over contexts
+    contexts: list[str] | None = None  # names of the contexts to run now (None: all); the others are skipped
     output_dir: str = "results/fidelity"
 
 
@@ -128,11 +129,17 @@ def run_study(
     runs = out / "runs.jsonl"
     done = {row_key(row) for row in read_runs(runs)}
     plan = planned(specs, cfg.kept)
+    names = [ctx.name for ctx in contexts]
+    unknown = sorted(set(cfg.contexts or ()) - set(names))
+    if unknown:
+        raise ValueError(f"contexts: unknown context names {unknown}; this study's contexts are {names}")
     if not run:
         return contexts, read_runs(runs)
     prefill(pipe.model, None, contexts[0].ids[:, :64])  # warm-up: the first timed prefill is not a cold one
     with open(runs, "a") as handle:
         for index, ctx in enumerate(contexts):
+            if cfg.contexts is not None and ctx.name not in cfg.contexts:
+                continue
             todo = [(spec, kept) for spec, kept in plan if (ctx.name, spec.label, kept) not in done]
             head = f"[context {index + 1}/{len(contexts)}] {ctx.name}"
             if not todo:
