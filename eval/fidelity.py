@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
     from transformers import pipeline
 
-    from eval.models import EMBEDDED_MODEL, load_model
+    from kvcompress.models import EMBEDDED_MODEL, load_model
 
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)

@@ -665,7 +665,7 @@ def load_pipeline(cfg: Config, local_rank: int):
     from transformers import pipeline
     from transformers.utils import logging as hf_logging
 
-    from eval.models import load_model
+    from kvcompress.models import load_model
 
     hf_logging.set_verbosity_error()
     hub_logging.set_verbosity_error()  # no retry wall on stderr when the Hub is unreachable

@@ -14,10 +14,10 @@ import argparse
 import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
 from transformers import pipeline
 
-from eval.models import load_model
 from kvcompress.fidelity.contexts import build_contexts
 from kvcompress.fidelity.measure import prefill
 from kvcompress.fidelity.specs import make_press, parse_spec
+from kvcompress.models import load_model
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
 """kvcompress: weighted-coreset KV-cache compression (CompressKV, WildCat) for transformers and kvpress."""
 
 from kvcompress.attention import weighted_attention
-from kvcompress.nystrom import compress_kv, lambert_w0, rpnys, temperature
+from kvcompress.lambert import lambert_w0
+from kvcompress.nystrom import compress_kv, rpnys, temperature
 
 __all__ = ["CompressKVPress", "UniformPress", "compress_kv", "lambert_w0", "rpnys", "temperature", "weighted_attention"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""CompressKV on plain tensors: Lambert W0, the temperature of eq. (12), RPNys (Alg. 1), Alg. 2.
+"""CompressKV on plain tensors: the temperature of eq. (12), RPNys (Alg. 1), Alg. 2 (W0: :mod:`kvcompress.lambert`).
 
 Reference implementation in PyTorch. Everything is batched over leading dimensions and bins; the
 only Python loop is over the pivot steps of Alg. 1, which are sequential by nature.
@@ -13,34 +13,10 @@ import torch
 
 from kvcompress import rng
 from kvcompress._checks import check_backend, check_finite, check_float_tensor, check_int_range, check_positive
+from kvcompress.lambert import RHO0, lambert_w0
 
 # Residual diagonal of the Gaussian kernel (its diagonal is 1) below which a bin counts as exhausted.
 _EXHAUSTED = {torch.float32: 1e-5, torch.float64: 1e-12}
-
-
-def lambert_w0(z: torch.Tensor, iterations: int = 8) -> torch.Tensor:
-    """Principal branch W0 for z >= 0, elementwise (Loczi's iteration, App. L, Thm. L.1).
-
-    The error after n steps is below max(0.32^(2^n), 0.633^(2^n) / 3); 8 steps reach float64 precision.
-    Returns the dtype of ``z`` (computed in float64 for float32 and lower).
-    """
-    if not torch.is_floating_point(z):
-        z = z.to(torch.get_default_dtype())
-    if bool((z < 0).any()) or bool(torch.isnan(z).any()):
-        raise ValueError("lambert_w0: z must be >= 0 (this implementation covers the range [0, inf))")
-    work = z.to(torch.float64)
-    tiny = work < 1e-300
-    safe = torch.where(tiny, torch.ones_like(work), work)
-    log_z = torch.log(safe)
-    w = torch.where(safe > math.e, log_z - torch.log(log_z.clamp_min(1e-300)), safe / math.e)
-    for _ in range(iterations):
-        w = w / (1 + w) * (1 + log_z - torch.log(w))
-    w = torch.where(torch.isinf(work), work, w)
-    return torch.where(tiny, work, w).to(z.dtype)
-
-
-# rho_0 of eq. (12): sqrt(1 + exp(W0(2 / e^2) + 2)) ~= 3.19.
-RHO0 = math.sqrt(1 + math.exp(float(lambert_w0(torch.tensor(2 / math.e**2, dtype=torch.float64))) + 2))
 
 
 def temperature(

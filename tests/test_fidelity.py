@@ -25,7 +25,7 @@ def pipe(embedded_dir):
     import kvpress  # noqa: F401  (registers the pipeline)
     from transformers import pipeline
 
-    from eval.models import load_model
+    from kvcompress.models import load_model
 
     model, tokenizer = load_model(str(embedded_dir))
     return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
@@ -119,7 +119,7 @@ def test_bad_kept_fraction_and_cli_spec_errors_stop_before_the_model(monkeypatch
 
     with pytest.raises(ValueError, match=r"kept: fractions .* in \(0, 1\]"):
         check_specs(["snapkv"], [1.5])
-    monkeypatch.setattr("eval.models.load_model", lambda *a, **k: pytest.fail("model loaded before the check"))
+    monkeypatch.setattr("kvcompress.models.load_model", lambda *a, **k: pytest.fail("model loaded before the check"))
     with pytest.raises(SystemExit) as info:
         fidelity.main(["--presses", "snapkv", "tvoa", "--output-dir", "/nonexistent"])
     assert "\n" not in str(info.value) and "unknown press 'tvoa'" in str(info.value)

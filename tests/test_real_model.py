@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import pipeline
 
-from eval.models import load_model
 from kvcompress import CompressKVPress, UniformPress
 from kvcompress.fidelity.contexts import build_contexts
 from kvcompress.fidelity.measure import continuation_logprobs, layer_errors, prefill
 from kvcompress.fidelity.probes import QueryRecorder
+from kvcompress.models import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.nystrom import RHO0
+from kvcompress.lambert import RHO0
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when this kernel was defined
 

