@@ -4,7 +4,7 @@ After compression, layer ``i`` of a ``DynamicCache`` holds the ``r`` rows of the
 (protected tokens and coreset) followed by the rows of every later token. :class:`WeightedLayer` keeps,
 for the compressed context only, the row weights ``w [b, h_kv, r]`` (float32; 1 on protected rows) and
 the value range ``[v_min, v_max]`` of the whole original context ``[b, h_kv, d]``; later rows have
-weight 1 and widen the range as they arrive (DESIGN.md, sec. 1).
+weight 1 and widen the range as they arrive (docs/ARCHITECTURE.md, "Contracts").
 Because every later row is implicit, trimming the cache by slicing its keys/values (what the kvpress
 pipeline does between questions) keeps the state consistent.
 

@@ -74,7 +74,7 @@ def rpnys(
     step_keys:   ``[..., rank]`` int64 random keys, one per pivot step (see :mod:`kvcompress.rng`).
     valid:       optional ``[..., L]`` bool mask; masked rows are never selected and get weight 0.
 
-    Stable form (DESIGN.md): with ``y = sqrt(a) x``, ``h = D G D`` for the Gaussian kernel
+    Stable form: with ``y = sqrt(a) x``, ``h = D G D`` for the Gaussian kernel
     ``G_ij = exp(-|y_i - y_j|^2 / 2)`` and ``D_i = exp(|y_i|^2 / 2)``. The Cholesky-style updates run
     on G (bounded by 1); pivots are drawn from the residual diagonal of h, ``res_G(l) exp(|y_l|^2)``,
     by the Gumbel-max trick in log space; the weights are mapped back by

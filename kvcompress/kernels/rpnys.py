@@ -5,8 +5,8 @@ One launch per call, grid ``(problems, bins)``; one program does the whole of on
 1. load the bin's ``L`` key rows once (``[BLOCK_L, BLOCK_D]``, ragged bins masked, no padded copy), recentre
    them by the problem's mean key, take ``R_K`` = their max norm and the coefficient ``a = beta / tau^2`` of
    eq. (12) (Lambert W0 by App. L's iteration, float64 scalars), then ``y = sqrt(a) x`` and ``|y|^2``;
-2. ``k = rank // bins`` pivot steps of Alg. 1 in the Gaussian-kernel form (DESIGN.md "Numerically stable
-   RPNys"): Gumbel-max over ``log res_G + |y|^2 + gumbel`` (the counter-based draws of
+2. ``k = rank // bins`` pivot steps of Alg. 1 in the Gaussian-kernel form (the stable form of
+   :func:`kvcompress.nystrom.rpnys`): Gumbel-max over ``log res_G + |y|^2 + gumbel`` (the counter-based draws of
    :mod:`kvcompress.rng`, reproduced bit for bit in uint32 arithmetic), the kernel row ``G(y_s, y)``,
    ``g = (M R[:, s], -1) / sqrt(res_G(s))``, ``M <- M + g g^T`` (eq. (7)), ``res_G <- res_G - (g^T R)^2``
    (eq. (8)), clamped at 0 and zeroed at the pivot; an exhausted bin (``res_G <= 1e-5``) makes inert rows;
