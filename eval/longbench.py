@@ -102,6 +102,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: make `eval` a
 from eval import longbench_metrics as metrics  # noqa: E402
 from eval import offline_suite  # noqa: E402
 from eval.config import REPO_ROOT, load_yaml  # noqa: E402
+from kvcompress import registry  # noqa: E402
 
 log = logging.getLogger("kvcompress.longbench")
 
@@ -193,14 +194,9 @@ OFFLINE_METRICS: dict[str, str] = {task: spec.metric for task, spec in offline_s
 ALL_TASKS: tuple[str, ...] = (*LONGBENCH_TASKS, *offline_suite.TASKS)
 COLUMN_NAMES: dict[str, str] = {**LONGBENCH_TASKS, **{t: t for t in offline_suite.TASKS}}
 
-METHODS: dict[str, str] = {  # name -> row label
-    "exact": "Exact",
-    "compresskv": "CompressKV",
-    "compresskv_paper": "CompressKV (paper)",
-    "snapkv": "SnapKV",
-    "streamingllm": "StreamingLLM",
-    "uniform": "Uniform",
-    "pyramidkv": "PyramidKV",
+METHODS: dict[str, str] = {  # name -> row label (kvcompress.registry's presses this harness offers)
+    name: registry.METHODS[name].label
+    for name in ("exact", "compresskv", "compresskv_paper", "snapkv", "streamingllm", "uniform", "pyramidkv")
 }
 DEFAULT_METHODS = ["exact", "compresskv", "snapkv", "streamingllm", "uniform"]
 
@@ -617,29 +613,9 @@ FIXED_PRESS_FIELDS = ("compression_ratio", "press")  # set by --ratio; kvpress's
 
 def make_press(method: str, ratio: float, seed: int, options: dict[str, Any] | None = None):
     """The press of ``method`` keeping ``ratio`` of the cache (None for exact); ``options`` override its fields."""
-    compression = 1.0 - ratio
-    options = options or {}
-    if method == "exact":
-        return None
-    if method in ("compresskv", "uniform"):
-        from kvcompress import CompressKVPress, UniformPress
-
-        cls = CompressKVPress if method == "compresskv" else UniformPress
-        return cls(**{"compression_ratio": compression, "seed": seed, **options})
-    if method == "compresskv_paper":
-        from kvcompress import CompressKVPress
-
-        return CompressKVPress.paper(compression, seed, **options)
-    from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
-
-    if method == "snapkv":
-        return SnapKVPress(**{"compression_ratio": compression, "window_size": 64, "kernel_size": 5, **options})
-    if method == "streamingllm":
-        return StreamingLLMPress(**{"compression_ratio": compression, "n_sink": 4, **options})
-    if method == "pyramidkv":
-        defaults = {"compression_ratio": compression, "window_size": 64, "kernel_size": 5, "beta": 20}
-        return PyramidKVPress(**{**defaults, **options})
-    raise ValueError(f"unknown method {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}")
+    return registry.make_press(method, 1.0 - ratio, seed, **(options or {}))
 
 
 def max_new_tokens(task: str) -> int:

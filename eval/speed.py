@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from eval.config import load_yaml
-from kvcompress import compress_kv, weighted_attention
+from kvcompress import compress_kv, registry, weighted_attention
 from kvcompress._checks import BACKENDS
 
 DEFAULT_CONFIG = Path("configs/speed.yaml")
@@ -422,17 +422,15 @@ def cache_bytes(cache) -> int:
 
 
 def make_press(name: str, cfg: Config):
+    """``none`` / ``full``: no press; ``snapkv`` and ``compresskv`` from :mod:`kvcompress.registry` with this
+    run's settings."""
     if name in ("none", "full"):
         return None
     ratio = 1.0 - cfg.kept
     if name == "snapkv":
-        from kvpress import SnapKVPress
-
-        return SnapKVPress(compression_ratio=ratio, window_size=cfg.snapkv_window, kernel_size=cfg.snapkv_kernel)
+        return registry.make_press(name, ratio, window_size=cfg.snapkv_window, kernel_size=cfg.snapkv_kernel)
     if name == "compresskv":
-        from kvcompress import CompressKVPress
-
-        return CompressKVPress(compression_ratio=ratio, bin_rank=cfg.bin_rank, seed=cfg.seed)
+        return registry.make_press(name, ratio, cfg.seed, bin_rank=cfg.bin_rank)
     raise ValueError(name)
 
 

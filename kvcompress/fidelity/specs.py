@@ -15,22 +15,10 @@ from typing import Any
 
 import yaml
 
-NAMES = (
-    "exact",
-    "compresskv",
-    "compresskv_paper",
-    "uniform",
-    "snapkv",
-    "streamingllm",
-    "expected_attention",
-    "keydiff",
-    "tova",
-    "pyramidkv",
-    "compactor",
-    "knorm",
-    "adakv",
-    "kvzip",
-)
+from kvcompress.registry import METHODS
+from kvcompress.registry import make_press as registry_press
+
+NAMES = tuple(METHODS)  # every name of kvcompress.registry
 RESERVED = ("compression_ratio", "seed")  # set by the study: 1 - kept, and the context's seed
 _SPEC = re.compile(r"\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*", re.DOTALL)
 
@@ -73,32 +61,6 @@ def parse_spec(spec: str) -> PressSpec:
     return PressSpec(spec.strip(), name, fields)
 
 
-def _baseline(name: str, ratio: float, seed: int):
-    """A press at its published defaults, removing ``ratio`` of the context cache."""
-    import kvpress
-
-    from kvcompress import CompressKVPress, UniformPress
-
-    factories = {
-        "compresskv": lambda: CompressKVPress(compression_ratio=ratio, seed=seed),
-        "compresskv_paper": lambda: CompressKVPress.paper(compression_ratio=ratio, seed=seed),
-        "uniform": lambda: UniformPress(compression_ratio=ratio, seed=seed),
-        "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5),
-        "streamingllm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=4),
-        "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
-        "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
-        "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
-        "pyramidkv": lambda: kvpress.PyramidKVPress(compression_ratio=ratio, window_size=64, kernel_size=5),
-        "compactor": lambda: kvpress.CompactorPress(compression_ratio=ratio),
-        "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
-        "adakv": lambda: kvpress.AdaKVPress(
-            kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5)
-        ),
-        "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio),
-    }
-    return factories[name]()
-
-
 def settable_fields(press) -> list[str]:
     """Dataclass fields of ``press`` a spec may set: public, with a default, not reserved."""
     return sorted(
@@ -122,7 +84,7 @@ def make_press(spec: PressSpec, kept: float, seed: int = 0):
     if isinstance(kept, bool) or not isinstance(kept, (int, float)) or not 0 < kept <= 1:
         raise ValueError(f"kept: fractions of the cache kept must be in (0, 1], got {kept!r}")
     try:
-        press = _baseline(spec.name, 1.0 - kept, seed)
+        press = registry_press(spec.name, 1.0 - kept, seed)
         if spec.fields:
             allowed = settable_fields(press)
             unknown = sorted(set(spec.fields) - set(allowed))

@@ -1,0 +1,77 @@
+"""The one method registry: a name -> its table label and its press at published defaults.
+
+Every harness (LongBench, the fidelity study, speed) builds presses here, so a name means the same press
+everywhere. ``exact`` is the full cache (no press). kvpress's presses are built lazily: importing this
+module does not import kvpress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str  # the row label of result tables
+    build: Callable[[float, int], Any]  # (compression_ratio, seed) -> press; None for the full cache
+
+
+def _ours(name: str) -> Callable[[float, int], Any]:
+    def build(ratio: float, seed: int):
+        from kvcompress import CompressKVPress, UniformPress
+
+        if name == "compresskv_paper":
+            return CompressKVPress.paper(compression_ratio=ratio, seed=seed)
+        cls = CompressKVPress if name == "compresskv" else UniformPress
+        return cls(compression_ratio=ratio, seed=seed)
+
+    return build
+
+
+def _kvpress(cls_name: str, **defaults: Any) -> Callable[[float, int], Any]:
+    def build(ratio: float, seed: int):
+        import kvpress
+
+        return getattr(kvpress, cls_name)(compression_ratio=ratio, **defaults)
+
+    return build
+
+
+def _adakv(ratio: float, seed: int):
+    import kvpress
+
+    return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5))
+
+
+METHODS: dict[str, Method] = {
+    "exact": Method("Exact", lambda ratio, seed: None),
+    "compresskv": Method("CompressKV", _ours("compresskv")),
+    "compresskv_paper": Method("CompressKV (paper)", _ours("compresskv_paper")),
+    "uniform": Method("Uniform", _ours("uniform")),
+    "snapkv": Method("SnapKV", _kvpress("SnapKVPress", window_size=64, kernel_size=5)),
+    "streamingllm": Method("StreamingLLM", _kvpress("StreamingLLMPress", n_sink=4)),
+    "expected_attention": Method("ExpectedAttention", _kvpress("ExpectedAttentionPress")),
+    "keydiff": Method("KeyDiff", _kvpress("KeyDiffPress")),
+    "tova": Method("TOVA", _kvpress("TOVAPress")),
+    "pyramidkv": Method("PyramidKV", _kvpress("PyramidKVPress", window_size=64, kernel_size=5, beta=20)),
+    "compactor": Method("Compactor", _kvpress("CompactorPress")),
+    "knorm": Method("Knorm", _kvpress("KnormPress")),
+    "adakv": Method("AdaKV", _adakv),
+    "kvzip": Method("KVzip", _kvpress("KVzipPress")),
+}
+
+
+def make_press(name: str, compression_ratio: float, seed: int = 0, **options: Any):
+    """The press ``name`` removing ``compression_ratio`` of the context (None for ``exact``); ``options`` replace
+    single fields of its dataclass (the press checks them). ``seed`` seeds our randomised presses."""
+    if name not in METHODS:
+        raise ValueError(f"method: unknown method {name!r}; choose from {', '.join(METHODS)}")
+    press = METHODS[name].build(compression_ratio, seed)
+    if press is None:
+        if options:
+            raise ValueError(f"method: {name} has no press and takes no options, got {sorted(options)}")
+        return None
+    return dataclasses.replace(press, **options) if options else press

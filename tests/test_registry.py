@@ -1,0 +1,44 @@
+"""The one method registry: every name builds its press, options replace fields, bad input is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompress import CompressKVPress, registry
+
+
+@pytest.mark.parametrize("name", [n for n in registry.METHODS if n != "exact"])
+def test_every_method_builds_its_press_at_the_ratio(name):
+    press = registry.make_press(name, 0.6, seed=3)
+    ratio = press.press.compression_ratio if name == "adakv" else press.compression_ratio
+    assert ratio == pytest.approx(0.6)
+
+
+def test_exact_is_no_press_and_labels_are_distinct():
+    assert registry.make_press("exact", 0.5) is None
+    labels = [m.label for m in registry.METHODS.values()]
+    assert len(set(labels)) == len(labels)
+
+
+def test_options_replace_single_fields_and_paper_is_the_paper_setting():
+    press = registry.make_press("compresskv", 0.75, seed=1, window_size=32, fit="none")
+    assert (press.window_size, press.fit, press.sink_size, press.seed) == (32, "none", 4, 1)
+    paper = registry.make_press("compresskv_paper", 0.75, seed=1, window_size=128)
+    expected = CompressKVPress.paper(0.75, seed=1, window_size=128)
+    assert paper == expected and paper.selection == "rpnys"
+    assert registry.make_press("snapkv", 0.5, kernel_size=7).kernel_size == 7
+
+
+@pytest.mark.parametrize(
+    ("args", "options", "message"),
+    [
+        (("nope", 0.5), {}, "method: unknown method 'nope'; choose from exact, compresskv"),
+        (("exact", 0.5), {"window_size": 3}, "method: exact has no press and takes no options"),
+        (("compresskv", 0.5), {"fit": "all"}, "fit:"),
+        (("compresskv", 1.5), {}, "compression_ratio:"),
+    ],
+)
+def test_bad_input_names_the_parameter(args, options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as info:
+        registry.make_press(*args, **options)
+    assert "\n" not in str(info.value)
