@@ -65,7 +65,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     try:
-        check_specs(cfg.presses, cfg.kept)  # before any model work
+        specs = check_specs(cfg.presses, cfg.kept)  # before any model work
         check_settings(cfg.kinds, cfg.lengths, cfg.seeds, cfg.continuation_tokens, cfg.depths)
         dtype = getattr(torch, cfg.dtype, None)
         if not isinstance(dtype, torch.dtype):
@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         contexts, rows = run_study(pipe, cfg, identity, run=not cfg.report_only)
     except ValueError as exc:
         raise SystemExit(f"fidelity: {exc}") from None
-    plan = [(spec.label, kept) for spec, kept in planned(check_specs(cfg.presses, cfg.kept), cfg.kept)]
+    plan = [(spec.label, kept) for spec, kept in planned(specs, cfg.kept)]
     if cfg.report_only:
-        plan = [key for key in plan if any((row["press"], row["kept"]) == key for row in rows)]
+        present = {(row["press"], row["kept"]) for row in rows}
+        plan = [key for key in plan if key in present]
     rows = [row for row in rows if (row["press"], row["kept"]) in plan]  # earlier runs may have had more presses
     table = summarize(rows, plan, [c.name for c in contexts], cfg.resamples, cfg.seed)
     meta = dict(

@@ -19,9 +19,9 @@ def check_float_tensor(name: str, x: object, min_dim: int = 0, ndim: int | None 
 
 
 def check_int_range(name: str, value: object, low: int, high: int | None = None) -> int:
-    bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+    bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        raise ValueError(f"{name}: must be an int in {bound}, got {value!r}")
+        raise ValueError(f"{name}: must be an int {bound}, got {value!r}")
     return value
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.selection import causal_softmax
+
 _CHUNK_ELEMENTS = 1 << 25
 
 
@@ -48,11 +50,7 @@ def _probabilities(
     queries: torch.Tensor, keys: torch.Tensor, scaling: float, positions: torch.Tensor | None
 ) -> torch.Tensor:
     """Softmax over all n keys: queries ``[P, M, d]``, keys ``[P, n, d]`` -> ``[P, M, n]`` float32."""
-    logits = (queries.float() @ keys.float().transpose(-1, -2)) * scaling
-    if positions is not None:
-        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= positions[:, None]
-        logits = logits.masked_fill(~visible[None], -math.inf)
-    return torch.softmax(logits, dim=-1)
+    return causal_softmax((queries.float() @ keys.float().transpose(-1, -2)) * scaling, positions)
 
 
 def _sums(

@@ -32,6 +32,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
@@ -57,11 +58,6 @@ SUPPORTED_MODELS = (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
 )
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
 
 
 def _check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
@@ -101,10 +97,10 @@ class WeightedSubsetPress(BasePress):
         _check_number("compression_ratio", self.compression_ratio, 0, 1)
         if self.compression_ratio == 1:
             raise ValueError("compression_ratio: must be a number in [0, 1) (fraction removed), got 1")
-        _check_int("sink_size", self.sink_size, 0)
-        _check_int("window_size", self.window_size, 0)
+        check_int_range("sink_size", self.sink_size, 0)
+        check_int_range("window_size", self.window_size, 0)
         if self.seed is not None:
-            _check_int("seed", self.seed, -(2**63))
+            check_int_range("seed", self.seed, -(2**63))
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         if not isinstance(model, SUPPORTED_MODELS):
@@ -300,7 +296,7 @@ class CompressKVPress(WeightedSubsetPress):
             ("repeat_chunk", 1),
             ("bin_rank", 1),
         ):
-            _check_int(name, getattr(self, name), low)
+            check_int_range(name, getattr(self, name), low)
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be an odd int >= 1, got {self.pool_kernel!r}")
         _check_choice("query_radius", self.query_radius, ("keys", "queries"))

@@ -37,15 +37,21 @@ def attention_mass(
     grouped = queries.reshape(batch, heads_kv, group, m, dim)
     total = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, batch * heads_q * n))
-    key_index = torch.arange(n, device=keys.device)
     for start in range(0, m, step):
         chunk = grouped[:, :, :, start : start + step]
         logits = torch.einsum("bhgmd,bhnd->bhgmn", chunk.float(), keys.float()) * scaling
-        if query_positions is not None:
-            visible = key_index[None, :] <= query_positions[start : start + step, None].to(keys.device)
-            logits = logits.masked_fill(~visible, -math.inf)
-        total += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+        positions = None if query_positions is None else query_positions[start : start + step]
+        total += causal_softmax(logits, positions).sum(dim=(2, 3))
     return total
+
+
+def causal_softmax(logits: torch.Tensor, query_positions: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``logits [..., m, n]``; with ``query_positions [m]``, query i sees key j
+    only if ``j <= query_positions[i]``."""
+    if query_positions is not None:
+        key_index = torch.arange(logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(key_index[None, :] > query_positions[:, None].to(logits.device), -math.inf)
+    return torch.softmax(logits, dim=-1)
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
