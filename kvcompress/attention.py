@@ -7,6 +7,7 @@ import math
 import torch
 
 from kvcompress._checks import check_backend, check_float_tensor, check_int_range, check_positive
+from kvcompress._checks import check_finite as _check_finite
 
 
 def weighted_attention(
@@ -19,7 +20,9 @@ def weighted_attention(
     v_min: torch.Tensor | None = None,
     v_max: torch.Tensor | None = None,
     causal_offset: int | None = None,
+    key_mask: torch.Tensor | None = None,
     backend: str = "auto",
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """WtdAttn (Alg. 3): ``clip(sum_l e^{s_l} v_l / sum_l e^{s_l} w_l, v_min, v_max)``, ``s_l = beta <q, k_l>``.
 
@@ -27,13 +30,17 @@ def weighted_attention(
     ``[b, h_kv, n]``; ``h_q`` a multiple of ``h_kv`` (GQA: query head j reads KV head j // (h_q / h_kv)).
     ``v_min`` / ``v_max``: optional ``[b, h_kv, d_v]`` clip range. Where the denominator is <= 0 the
     output is 0 before clipping. ``causal_offset=c``: query i may attend key j only if j <= c + i.
+    ``key_mask``: optional ``[b, n]`` bool, False on keys no query of that batch row may see (padding,
+    filler rows of a compressed cache); combined with ``causal_offset``. A query that sees no key gets 0.
     Accumulates in float32 (float64 for float64 inputs); returns ``values.dtype``, ``[b, h_q, m, d_v]``.
 
     ``backend``: ``"torch"`` (the PyTorch reference), ``"triton"`` (the split-K decode kernel in
     ``kvcompress.kernels.weighted_decode``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``;
     float16/bfloat16/float32, 1..16 new tokens, head dims multiples of 16 up to 256; raises ``ValueError``
     outside that, ``ImportError`` without triton) or ``"auto"`` (the kernel for CUDA tensors it supports when
-    triton imports, else the reference).
+    triton imports, else the reference). ``check_finite``: reject NaN/Inf in queries, keys, values, weights
+    and the clip range with a ``ValueError`` (one device sync; pass False where speed matters and the inputs
+    are known to be finite).
     """
     check_backend(backend)
     check_float_tensor("queries", queries, ndim=4)
@@ -62,6 +69,19 @@ def weighted_attention(
     scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
     if causal_offset is not None:
         check_int_range("causal_offset", causal_offset, 0)
+    if key_mask is not None:
+        if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool:
+            kind = key_mask.dtype if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+            raise ValueError(f"key_mask: must be a bool torch.Tensor of shape [{batch}, {n}], got {kind}")
+        if key_mask.shape != (batch, n) or key_mask.device != queries.device:
+            raise ValueError(
+                f"key_mask: shape {tuple(key_mask.shape)} on {key_mask.device} must be {(batch, n)} on {queries.device}"
+            )
+    if check_finite:
+        for name, x in (("queries", queries), ("keys", keys), ("values", values), ("weights", weights),
+                        ("v_min", v_min), ("v_max", v_max)):  # fmt: skip
+            if x is not None:
+                _check_finite(name, x)
 
     if backend == "triton" or (backend == "auto" and queries.device.type == "cuda"):
         try:
@@ -72,11 +92,11 @@ def weighted_attention(
         else:
             reason = weighted_decode.unsupported_reason(queries, keys, values, weights, v_min, v_max)
             if reason is None:
-                kwargs = {"scaling": scaling, "v_min": v_min, "v_max": v_max, "causal_offset": causal_offset}
+                kwargs = dict(scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=causal_offset, key_mask=key_mask)
                 return weighted_decode.weighted_decode_attention(queries, keys, values, weights, **kwargs)
             if backend == "triton":
                 raise ValueError(f"backend='triton': {reason}; use backend='torch' or 'auto'")
-    return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset)
+    return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
 
 
 def _weighted_attention_torch(
@@ -88,6 +108,7 @@ def _weighted_attention_torch(
     v_min: torch.Tensor | None,
     v_max: torch.Tensor | None,
     causal_offset: int | None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PyTorch reference of ``weighted_attention`` on validated inputs (any device, float32/float64 math)."""
     batch, heads_q, m, dim = queries.shape
@@ -101,6 +122,8 @@ def _weighted_attention_torch(
         rows = torch.arange(m, device=queries.device).repeat(group)
         allowed = torch.arange(n, device=queries.device)[None, :] <= causal_offset + rows[:, None]
         logits = logits.masked_fill(~allowed, -math.inf)
+    if key_mask is not None:
+        logits = logits.masked_fill(~key_mask[:, None, None, :], -math.inf)
     # Subtract the row max (it cancels); a row with no visible key has max -inf and gets output 0.
     row_max = logits.amax(-1, keepdim=True)
     probs = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0.0))

@@ -10,7 +10,7 @@ import torch
 from kvcompress import weighted_attention
 
 
-def naive_weighted_attention(q, k, v, w, scaling, v_min=None, v_max=None, causal_offset=None):
+def naive_weighted_attention(q, k, v, w, scaling, v_min=None, v_max=None, causal_offset=None, key_mask=None):
     """One query head and one query at a time, in float64, straight from Alg. 3."""
     q, k, v, w = q.double(), k.double(), v.double(), w.double()
     batch, heads_q, m, _ = q.shape
@@ -22,11 +22,14 @@ def naive_weighted_attention(q, k, v, w, scaling, v_min=None, v_max=None, causal
             kv = h // group
             for i in range(m):
                 visible = [j for j in range(n) if causal_offset is None or j <= causal_offset + i]
-                logits = torch.stack([scaling * q[b, h, i] @ k[b, kv, j] for j in visible])
-                e = torch.exp(logits - logits.max())
-                num = sum(e[t] * v[b, kv, j] for t, j in enumerate(visible))
-                den = sum(e[t] * w[b, kv, j] for t, j in enumerate(visible))
-                o = num / den if den > 0 else torch.zeros(v.shape[-1], dtype=torch.float64)
+                visible = [j for j in visible if key_mask is None or key_mask[b, j]]
+                o = torch.zeros(v.shape[-1], dtype=torch.float64)  # no visible key, or denominator <= 0
+                if visible:
+                    logits = torch.stack([scaling * q[b, h, i] @ k[b, kv, j] for j in visible])
+                    e = torch.exp(logits - logits.max())
+                    num = sum(e[t] * v[b, kv, j] for t, j in enumerate(visible))
+                    den = sum(e[t] * w[b, kv, j] for t, j in enumerate(visible))
+                    o = num / den if den > 0 else o
                 if v_min is not None:
                     o = torch.maximum(o, v_min[b, kv].double())
                 if v_max is not None:
@@ -129,3 +132,65 @@ def _good():
 def test_bad_input_names_the_parameter(change, kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         weighted_attention(*change(*_good()), **kwargs)
+
+
+def random_key_mask(batch, n, seed):
+    """Rows padded on the left, on the right and in the middle (filler), each with at least one real key."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, n, generator=gen) > 0.3
+    mask[0, :3] = False  # left padding
+    mask[-1, -2:] = False  # right padding
+    mask[:, n // 2] = True
+    return mask
+
+
+@pytest.mark.parametrize("offset", [None, 0, 6])
+def test_key_mask_matches_naive_loop(offset):
+    q, k, v, w = random_inputs(3, 6, 2, 4, 13, 8, dtype=torch.float64, seed=11)
+    mask = random_key_mask(3, 13, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    v_min = -0.5 - torch.rand(3, 2, 8, generator=gen, dtype=torch.float64)
+    out = weighted_attention(q, k, v, w, causal_offset=offset, key_mask=mask, v_min=v_min)
+    ref = naive_weighted_attention(q, k, v, w, 1 / math.sqrt(8), v_min=v_min, causal_offset=offset, key_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_masked_keys_change_nothing():
+    """Whatever a masked key holds (huge logits, any weight), the output is that of the cache without it."""
+    q, k, v, w = random_inputs(2, 4, 2, 3, 10, 8, dtype=torch.float64, seed=7)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[:, 4] = False
+    k_bad, v_bad, w_bad = k.clone(), v.clone(), w.clone()
+    k_bad[:, :, 4] = 1e3 * q[:, ::2, 0]  # would dominate every softmax
+    v_bad[:, :, 4], w_bad[:, :, 4] = 1e6, -5.0
+    out = weighted_attention(q, k_bad, v_bad, w_bad, key_mask=mask)
+    keep = torch.tensor([j for j in range(10) if j != 4])
+    ref = weighted_attention(q, k[:, :, keep], v[:, :, keep], w[:, :, keep])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["queries", "keys", "values", "weights", "v_min", "v_max"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_inputs_are_rejected_by_name(name, bad):
+    q, k, v, w = random_inputs(1, 2, 1, 2, 6, 8, seed=3)
+    args = dict(queries=q, keys=k, values=v, weights=w, v_min=-torch.rand(1, 1, 8), v_max=torch.rand(1, 1, 8))
+    args[name] = args[name].clone()
+    args[name].view(-1)[1] = bad
+    with pytest.raises(ValueError, match=f"^{name}: contains NaN or Inf"):
+        weighted_attention(**args)
+    args["check_finite"] = False  # the documented switch skips the check
+    weighted_attention(**args)
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (torch.ones(1, 6), "key_mask: must be a bool torch.Tensor"),
+        (torch.ones(1, 5, dtype=torch.bool), r"key_mask: shape \(1, 5\)"),
+        ([True] * 6, "key_mask: must be a bool torch.Tensor"),
+    ],
+)
+def test_bad_key_mask_is_rejected(mask, message):
+    q, k, v, w = random_inputs(1, 2, 1, 2, 6, 8, seed=3)
+    with pytest.raises(ValueError, match=message):
+        weighted_attention(q, k, v, w, key_mask=mask)

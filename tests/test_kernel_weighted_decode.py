@@ -87,6 +87,23 @@ def test_split_counts_and_early_causal_offset_agree():
     check_close(weighted_attention(q, k, v, w, backend="triton"), ref, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_mask_padding_and_filler(dtype):
+    """Left-padded, right-padded and filler keys (split across several splits) are invisible, as in the reference."""
+    batch, n, m = 3, 700, 4
+    q, k, v, w, bounds = make_inputs(batch, 6, 2, m, n, 64, dtype, clip=True, seed=5)
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[0, :250] = False  # left padding longer than a split
+    mask[1, 300:400] = False  # filler rows inside the compressed context
+    mask[2, n - m - 30 : n - m] = False  # right padding before the new tokens
+    kwargs = {"causal_offset": n - m, "key_mask": mask, **bounds}
+    ref = weighted_attention(q, k, v, w, backend="torch", **kwargs)
+    check_close(ref, weighted_attention(q.double(), k.double(), v.double(), w.double(), **kwargs), dtype)
+    for splits in (1, 4):
+        out = weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.125, num_splits=splits, **kwargs)
+        check_close(out, ref, dtype)
+
+
 def test_many_rows_strided_cache_and_odd_dims():
     """group * m = 256 rows (two row blocks); a [b, n, h, d] cache viewed as [b, h, n, d]; d = 80, d_v = 48."""
     batch, heads_kv, n = 2, 1, 150

@@ -54,7 +54,7 @@ def _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN: tl.constexpr, HAS
 
 @triton.jit
 def _weighted_decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr,
+    q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr,
     H_KV, N, ROWS, M, split_len, causal_offset, qk_scale,
     s_qb, s_qh, s_qr, s_qd,
     s_kb, s_kh, s_kn, s_kd,
@@ -62,9 +62,11 @@ def _weighted_decode_split_kernel(
     s_wb, s_wh, s_wn,
     s_lb, s_lh, s_ld,
     s_ub, s_uh, s_ud,
+    s_mb, s_mn,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Stage 1, one program per (batch * KV head, key split, row block).
 
@@ -114,6 +116,9 @@ def _weighted_decode_split_kernel(
         # fp16/bf16: tensor-core dot with fp32 accumulation (exact products); fp32: "ieee", not tf32.
         s = tl.dot(q, kt, input_precision="ieee") * qk_scale
         visible = n_mask[None, :] & (offs_n[None, :] <= last_key[:, None])
+        if HAS_MASK:  # padding / filler rows of this batch row: invisible to every query
+            real = tl.load(mask_ptr + b * s_mb + offs_n * s_mn, mask=n_mask, other=0)
+            visible = visible & (real != 0)[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -242,12 +247,14 @@ def weighted_decode_attention(
     v_min: torch.Tensor | None = None,
     v_max: torch.Tensor | None = None,
     causal_offset: int | None = None,
+    key_mask: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries over a ``[b, h_kv, n, d]`` / ``[b, h_kv, n, d_v]`` cache.
 
-    ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; any strides. Inputs must already
+    ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; ``key_mask`` ``[b, n]`` bool (False:
+    a key no query of that row sees); any strides. Inputs must already
     be validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
     ``unsupported_reason``. ``num_splits`` / ``block_n`` override the heuristics (tests, tuning). Accumulates
     in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
@@ -286,16 +293,19 @@ def weighted_decode_attention(
         npart = torch.empty(batch * heads_kv, num_splits, rows, d_v, dtype=torch.float32, device=out.device)
     lo_t = v_min if v_min is not None else out.new_zeros(1, 1, 1)
     hi_t = v_max if v_max is not None else out.new_zeros(1, 1, 1)
+    mask_t = key_mask.view(torch.uint8) if key_mask is not None else out.new_zeros(1, 1, dtype=torch.uint8)
     # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep bf16 tensor-core dots).
     dot_fp32 = queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16)
     num_warps = 8 if block_r * block_dv >= 128 * 128 else 4
 
     _weighted_decode_split_kernel[(batch * heads_kv, num_splits, row_blocks)](
-        q, keys, values, weights, lo_t, hi_t, out, mpart, dpart, npart,
+        q, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart,
         heads_kv, n_read, rows, m, split_len, c, scaling * LOG2E,
         *q.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
+        *mask_t.stride(),
         D=dim, DV=d_v, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, FINAL=final, DOT_FP32=dot_fp32,
+        HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, HAS_MASK=key_mask is not None, FINAL=final,
+        DOT_FP32=dot_fp32,
         num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     if not final:
