@@ -26,7 +26,13 @@ _TAG = "_kvcompress_layer"
 
 
 class WeightedLayer(DynamicLayer):
-    """A DynamicLayer whose first ``row_weights.shape[-1]`` rows are a compressed, weighted context."""
+    """A DynamicLayer whose first ``row_weights.shape[-1]`` rows are a compressed, weighted context.
+
+    ``row_valid [b, r]`` (bool, None = all real): False on filler rows, which pad the compressed context of
+    a batch row that kept fewer rows than the longest one (they also carry ``w = 0`` and zero keys/values).
+    Rows may only be appended, or cut back by slicing to the end of the compressed context or later: any
+    other removal (an eviction press running after ours) would leave the weights misaligned and is refused.
+    """
 
     is_sliding = False
 
@@ -38,14 +44,34 @@ class WeightedLayer(DynamicLayer):
         value_min: torch.Tensor,
         value_max: torch.Tensor,
         tokens: int,
+        row_valid: torch.Tensor | None = None,
     ):
         super().__init__()
         self.dtype, self.device = keys.dtype, keys.device
+        self.row_weights = row_weights.float()  # [b, h_kv, r]
+        self.row_valid = row_valid  # [b, r] bool or None
         self.keys, self.values = keys, values
         self.is_initialized = True
-        self.row_weights = row_weights.float()  # [b, h_kv, r]
         self.value_min, self.value_max = value_min, value_max  # [b, h_kv, d_v]
         self.position_offset = tokens - keys.shape[-2]  # tokens represented minus rows held
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys
+
+    @keys.setter
+    def keys(self, new: torch.Tensor) -> None:
+        old = getattr(self, "_keys", None)
+        if old is not None and new is not None and old.dim() == new.dim() == 4 and new.shape[-2] < old.shape[-2]:
+            prefix = new.data_ptr() == old.data_ptr() and new.stride() == old.stride()
+            if not prefix or new.shape[-2] < self.context_rows:
+                raise RuntimeError(
+                    f"kvcompress: something removed rows of a compressed cache layer ({old.shape[-2]} -> "
+                    f"{new.shape[-2]} rows; its first {self.context_rows} rows carry weights). Eviction presses "
+                    "(ComposedPress, DecodingPress, PrefillDecodingPress, ...) cannot run on a kvcompress cache; "
+                    "crop it only back to the end of its context (cache.crop) or use the press on its own"
+                )
+        self._keys = new
 
     @property
     def context_rows(self) -> int:
@@ -55,6 +81,11 @@ class WeightedLayer(DynamicLayer):
         keys, values = super().update(key_states, value_states, cache_kwargs)
         setattr(keys, _TAG, self)
         return keys, values
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        """Masks of a compressed cache are built in token space (the tokens it stands for, then the new ones):
+        their last columns are the rows after the compressed context (see :meth:`key_mask`)."""
+        return self.get_seq_length() + self.position_offset + cache_position.shape[0], 0
 
     def weights_for(self, rows: int) -> torch.Tensor:
         """Weights of the first ``rows`` cached rows: the coreset's, then 1 for later tokens."""
@@ -66,15 +97,41 @@ class WeightedLayer(DynamicLayer):
         extra = self.row_weights.new_ones(*self.row_weights.shape[:2], rows - self.context_rows)
         return torch.cat([self.row_weights, extra], dim=-1)
 
-    def value_range(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[v_min, v_max]`` over the compressed context and every row after it in ``values``."""
+    def key_mask(self, rows: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``[b, rows]`` bool, False on filler rows and on padded later tokens; None when every row is real.
+
+        ``attention_mask``: the model's 4D mask ``[b, 1, q, tokens + q]`` in token space (see
+        :meth:`get_mask_sizes`; bool, or additive float with 0 = visible) or None. Its last query row shows
+        which later tokens are padding (causality among the new rows is applied separately)."""
+        later = rows - self.context_rows
+        tail = None
+        if attention_mask is not None and later > 0:
+            last = attention_mask[:, 0, -1, -later:]
+            tail = last if last.dtype == torch.bool else last == 0
+            if bool(tail.all()):
+                tail = None
+        if self.row_valid is None and tail is None:
+            return None
+        context = self.row_valid
+        if context is None:
+            context = torch.ones(self.row_weights.shape[0], self.context_rows, dtype=torch.bool, device=self.device)
+        if tail is None:
+            tail = torch.ones(context.shape[0], later, dtype=torch.bool, device=context.device)
+        return torch.cat([context, tail.to(context.device)], dim=-1)
+
+    def value_range(
+        self, values: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[v_min, v_max]`` over the compressed context and every real row after it in ``values``."""
         later = values[:, :, self.context_rows :]
         if later.shape[-2] == 0:
             return self.value_min, self.value_max
-        return (
-            torch.minimum(self.value_min, later.amin(-2).to(self.value_min.dtype)),
-            torch.maximum(self.value_max, later.amax(-2).to(self.value_max.dtype)),
-        )
+        later = later.to(self.value_min.dtype)
+        low, high = later, later
+        if key_mask is not None:  # padded later rows do not widen the range
+            real = key_mask[:, None, self.context_rows :, None]
+            low, high = later.masked_fill(~real, float("inf")), later.masked_fill(~real, float("-inf"))
+        return torch.minimum(self.value_min, low.amin(-2)), torch.maximum(self.value_max, high.amax(-2))
 
 
 def layer_of(keys: torch.Tensor) -> WeightedLayer | None:

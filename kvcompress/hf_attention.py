@@ -32,7 +32,8 @@ def kvcompress_attention(
     """transformers attention function: query ``[b, h_q, q, d]``, key/value ``[b, h_kv, n, d]``.
 
     Returns ``([b, q, h_q, d], None)`` like the stock functions. On a compressed layer the new tokens
-    are the last ``q`` rows, causal among themselves, and see every earlier row (no padding support).
+    are the last ``q`` rows, causal among themselves; they see every earlier real row: filler rows of the
+    compressed context and padded later tokens (from ``attention_mask``, built in token space) are masked.
     """
     layer = layer_of(key)
     if layer is None:
@@ -40,7 +41,8 @@ def kvcompress_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     rows, q_len = key.shape[-2], query.shape[-2]
-    v_min, v_max = layer.value_range(value)
+    key_mask = layer.key_mask(rows, attention_mask)
+    v_min, v_max = layer.value_range(value, key_mask)
     out = weighted_attention(
         query,
         key,
@@ -50,6 +52,8 @@ def kvcompress_attention(
         v_min=v_min,
         v_max=v_max,
         causal_offset=rows - q_len,
+        key_mask=key_mask,
+        check_finite=False,  # model activations, not user input: no device sync per layer and step
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -1,241 +1,20 @@
 """kvpress presses that leave a weighted cache behind: CompressKVPress and UniformPress.
 
-Both keep the first ``sink_size`` and last ``window_size`` context tokens exactly (weight 1) and replace
-the middle by a weighted subset, per batch row and KV head. The compressed layer
-(:class:`kvcompress.cache.WeightedLayer`) carries the weights, and the model is switched to the
-"kvcompress" attention, which runs weighted attention (Alg. 3) over such layers and stock sdpa
-everywhere else. The switch outlives the ``with press(model)`` block on purpose: the question and the
-answer are computed after it.
-
-A layer is compressed right after its prefill, as in kvpress, unless the press reads the context a second
-time (``reference`` with ``"repeat"``): then every layer keeps its full cache until the prefill forward has
-returned, the repeat pass runs, and all layers are compressed before the forward call gives control back.
+Both build on :class:`kvcompress.weighted_press.WeightedSubsetPress` (budget, protected tokens, hooks, padded
+batches, the repeat pass) and only say how the middle of a context is replaced.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvpress.presses.base_press import BasePress, is_prefilling
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3ForConditionalGeneration,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Phi3ForCausalLM,
-    PreTrainedModel,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
-from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_int_range
-from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
-from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
-from kvcompress.reference import (
-    SOURCES,
-    LayerReference,
-    prefill_query_radius,
-    record_prefill,
-    record_repeat,
-    repeat_context,
-    restore_layer,
-    snapshot_layers,
-)
-
-logger = hf_logging.get_logger(__name__)
-
-SUPPORTED_MODELS = (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-    Phi3ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3ForConditionalGeneration,
-)
-
-
-def _check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
-    bad = bad or (value <= low if low_open else value < low) or (high is not None and value > high)
-    if bad:
-        bounds = (
-            f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
-        )
-        raise ValueError(f"{name}: must be a number in {bounds}, got {value!r}")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
-
-
-@dataclass
-class WeightedSubsetPress(BasePress):
-    """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
-
-    After compression each head holds at most ``int(n * (1 - compression_ratio))`` rows, protected tokens
-    included. A context whose budget cannot hold the protected tokens plus one middle row, or that needs no
-    removal, is left untouched. Subclasses implement :meth:`compress_middle`, and :meth:`reference_sources`
-    when they need reference queries.
-    """
-
-    compression_ratio: float = 0.0
-    sink_size: int = 32
-    window_size: int = 32
-    seed: int | None = None
-    _pending: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _repeating: bool = field(default=False, init=False, repr=False, compare=False)
-    _snapshot: list = field(default_factory=list, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _check_number("compression_ratio", self.compression_ratio, 0, 1)
-        if self.compression_ratio == 1:
-            raise ValueError("compression_ratio: must be a number in [0, 1) (fraction removed), got 1")
-        check_int_range("sink_size", self.sink_size, 0)
-        check_int_range("window_size", self.window_size, 0)
-        if self.seed is not None:
-            check_int_range("seed", self.seed, -(2**63))
-
-    def post_init_from_model(self, model: PreTrainedModel) -> None:
-        if not isinstance(model, SUPPORTED_MODELS):
-            names = ", ".join(cls.__name__ for cls in SUPPORTED_MODELS)
-            raise ValueError(f"model: {type(model).__name__} is not supported by {type(self).__name__}; use {names}")
-        use_weighted_attention(model)
-
-    def budget(self, n: int) -> int:
-        """Rows kept per head for an n-token context (kvpress ScorerPress's count)."""
-        return int(n * (1 - self.compression_ratio))
-
-    def layer_seed(self, layer_idx: int) -> int | None:
-        return None if self.seed is None else self.seed * 1_000_003 + layer_idx
-
-    def reference_sources(self) -> tuple[str, ...]:
-        """Reference-query sources this press reads (see :mod:`kvcompress.reference`); none by default."""
-        return ()
-
-    def record_reference(self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor) -> LayerReference:
-        """What :meth:`compress_middle` needs from this layer's prefill call (hook ``kwargs``)."""
-        return LayerReference()
-
-    def compress_middle(
-        self,
-        module: torch.nn.Module,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        start: int,
-        end: int,
-        rows: int,
-        reference: LayerReference,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Replace context rows ``[start, end)`` of keys/values ``[b, h_kv, n, d]`` by ``rows`` weighted rows:
-        ``(K [b, h_kv, rows, d], V [b, h_kv, rows, d_v], w [b, h_kv, rows])``."""
-        raise NotImplementedError
-
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        raise NotImplementedError(
-            f"{type(self).__name__} stores per-row weights with the cache; it cannot run through kvpress's "
-            "compress() protocol (e.g. inside ComposedPress or another press's wrapper). Use it on its own."
-        )
-
-    @contextmanager
-    def __call__(self, model: PreTrainedModel):
-        self._pending, self._repeating = {}, False
-        with super().__call__(model):
-            hook = None
-            if "repeat" in self.reference_sources():
-                decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
-                hook = decoder.register_forward_hook(self._after_prefill, with_kwargs=True)
-            try:
-                yield
-            finally:
-                if hook is not None:
-                    hook.remove()
-                self._pending, self._repeating = {}, False
-
-    def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
-        if getattr(module, "is_sliding", False):
-            return output  # Gemma3 sliding layers stay exact
-        hidden_states, cache = kwargs["hidden_states"], kwargs["past_key_values"]
-        if self._repeating:
-            if module.layer_idx in self._pending:
-                pending = self._pending[module.layer_idx]
-                keys = cache.layers[module.layer_idx].keys[:, :, : pending["tokens"]]
-                record_repeat(module, kwargs, keys, pending["reference"], self.repeat_samples(), pending["tokens"])
-            restore_layer(cache, module.layer_idx, self._snapshot)
-            return output
-        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
-            return output  # only the prefill is compressed
-        layer = cache.layers[module.layer_idx]
-        n = layer.keys.shape[-2]
-        budget, protected = self.budget(n), self.sink_size + self.window_size
-        if budget >= n:
-            return output
-        if budget <= protected:
-            logger.warning_once(
-                f"{type(self).__name__}: a {n}-token context at compression_ratio={self.compression_ratio} keeps "
-                f"{budget} rows, not more than the {protected} protected tokens; left uncompressed"
-            )
-            return output
-        reference = self.record_reference(module, kwargs, layer.keys)
-        if "repeat" in self.reference_sources():
-            check_cache(cache)
-            self._pending[module.layer_idx] = dict(module=module, reference=reference, tokens=n)
-            return output
-        self._compress_layer(module, cache, reference)
-        return output
-
-    def repeat_samples(self) -> int:
-        """Repeat-pass queries kept per layer for a fit (subclasses with a fit override it)."""
-        return 0
-
-    def _after_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """Decoder forward hook: after a prefill whose layers wait for the repeat pass, run it and compress."""
-        if self._repeating or not self._pending:
-            return
-        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        pending, self._pending = self._pending, {}
-        if input_ids is None:
-            raise ValueError(
-                f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
-                "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
-            )
-        self._pending, self._repeating, self._snapshot = pending, True, snapshot_layers(cache)
-        try:
-            repeat_context(decoder, input_ids, cache, self.repeat_chunk, self._snapshot)
-        finally:
-            self._pending, self._repeating, self._snapshot = {}, False, []
-        for state in pending.values():
-            self._compress_layer(state["module"], cache, state["reference"])
-
-    def _compress_layer(self, module: torch.nn.Module, cache, reference: LayerReference) -> None:
-        layer = cache.layers[module.layer_idx]
-        keys, values = layer.keys, layer.values
-        n = keys.shape[-2]
-        start, end = self.sink_size, n - self.window_size
-        rows = self.budget(n) - self.sink_size - self.window_size
-        middle_keys, middle_values, middle_weights = self.compress_middle(
-            module, keys, values, start, end, rows, reference
-        )
-        ones = middle_weights.new_ones(*middle_weights.shape[:2], 1)
-        compressed = WeightedLayer(
-            keys=torch.cat([keys[:, :, :start], middle_keys, keys[:, :, end:]], dim=2),
-            values=torch.cat([values[:, :, :start], middle_values, values[:, :, end:]], dim=2),
-            row_weights=torch.cat(
-                [ones.expand(-1, -1, start), middle_weights, ones.expand(-1, -1, self.window_size)], dim=2
-            ),
-            value_min=values.amin(2).float(),
-            value_max=values.amax(2).float(),
-            tokens=n,
-        )
-        install_compressed_layer(cache, module.layer_idx, compressed)
-
+from kvcompress.reference import SOURCES, LayerReference, prefill_query_radius, record_prefill
+from kvcompress.weighted_press import WeightedSubsetPress, check_choice, check_number
 
 SELECTIONS = ("attention", "hybrid", "rpnys")
 FITS = ("none", "weights", "values")
@@ -274,20 +53,20 @@ class CompressKVPress(WeightedSubsetPress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_choice("selection", self.selection, SELECTIONS)
-        _check_choice("fit", self.fit, FITS)
+        check_choice("selection", self.selection, SELECTIONS)
+        check_choice("fit", self.fit, FITS)
         if isinstance(self.reference, str) or not isinstance(self.reference, (tuple, list)):
             raise ValueError(f"reference: must be a list of sources from {SOURCES}, got {self.reference!r}")
         self.reference = tuple(self.reference)
         for source in self.reference:
-            _check_choice("reference", source, SOURCES)
+            check_choice("reference", source, SOURCES)
         if self.selection != "rpnys" and not self.reference:
             raise ValueError(f"reference: selection={self.selection!r} needs at least one source of {SOURCES}")
         if self.fit != "none" and self.selection != "attention":
             raise ValueError(f"fit: {self.fit!r} needs selection='attention'; use fit='none' with {self.selection!r}")
-        _check_number("repeat_weight", self.repeat_weight, 0)
-        _check_number("fit_ridge", self.fit_ridge, 0, low_open=True)
-        _check_number("hybrid_fraction", self.hybrid_fraction, 0, 1)
+        check_number("repeat_weight", self.repeat_weight, 0)
+        check_number("fit_ridge", self.fit_ridge, 0, low_open=True)
+        check_number("hybrid_fraction", self.hybrid_fraction, 0, 1)
         for name, low in (
             ("observation_window", 1),
             ("pool_kernel", 1),
@@ -299,7 +78,7 @@ class CompressKVPress(WeightedSubsetPress):
             check_int_range(name, getattr(self, name), low)
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be an odd int >= 1, got {self.pool_kernel!r}")
-        _check_choice("query_radius", self.query_radius, ("keys", "queries"))
+        check_choice("query_radius", self.query_radius, ("keys", "queries"))
 
     @classmethod
     def paper(cls, compression_ratio: float = 0.0, seed: int | None = None, **overrides: Any) -> CompressKVPress:

@@ -1,0 +1,324 @@
+"""The frame every kvcompress press shares: budget, protected tokens, hooks, padded batches, the repeat pass.
+
+Each press keeps the first ``sink_size`` and last ``window_size`` context tokens exactly (weight 1) and replaces
+the middle by a weighted subset, per batch row and KV head. The compressed layer
+(:class:`kvcompress.cache.WeightedLayer`) carries the weights, and the model is switched to the "kvcompress"
+attention, which runs weighted attention (Alg. 3) over such layers and stock sdpa everywhere else. The switch
+outlives the ``with press(model)`` block on purpose: the question and the answer are computed after it.
+
+A layer is compressed right after its prefill, as in kvpress, unless the press reads the context a second time
+(``reference`` with ``"repeat"``): then every layer keeps its full cache until the prefill forward has returned,
+the repeat pass runs, and all layers are compressed before the forward call gives control back.
+
+Padded batches: the 2D ``attention_mask`` of the prefill call says which tokens are real. Each row is then
+compressed on its own real tokens (its budget, sink and window from its true length; pads never selected),
+exactly as if it ran alone, and rows that keep fewer rows than the longest are filled with masked ``w = 0``
+rows (see :mod:`kvcompress.padding`).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kvpress.presses.base_press import BasePress, is_prefilling
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Phi3ForCausalLM,
+    PreTrainedModel,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+from kvcompress._checks import check_finite, check_int_range
+from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
+from kvcompress.hf_attention import use_weighted_attention
+from kvcompress.padding import real_tokens, row_kwargs, row_view_cache, stack_rows
+from kvcompress.reference import LayerReference, record_repeat, repeat_context, restore_layer, snapshot_layers
+
+logger = hf_logging.get_logger(__name__)
+
+SUPPORTED_MODELS = (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Phi3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
+
+
+def check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+    bad = bad or (value <= low if low_open else value < low) or (high is not None and value > high)
+    if bad:
+        bounds = (
+            f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
+        )
+        raise ValueError(f"{name}: must be a number in {bounds}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How one row's ``tokens``-token context is compressed: exact first ``sink`` and last ``window`` tokens,
+    ``middle`` rows for the rest; ``sink + window + middle`` is the row's budget."""
+
+    tokens: int
+    sink: int
+    window: int
+    middle: int
+
+    @property
+    def rows(self) -> int:
+        return self.sink + self.window + self.middle
+
+
+@dataclass
+class WeightedSubsetPress(BasePress):
+    """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
+
+    After compression each head holds exactly ``int(n * (1 - compression_ratio))`` rows of an n-token
+    context, protected tokens included. When that budget cannot hold ``sink_size + window_size`` protected
+    tokens plus a middle, both shrink in proportion to half the budget and the middle gets the other half.
+    A context that needs no removal, or whose budget is 0, is left untouched. Subclasses implement
+    :meth:`compress_middle`, and :meth:`record_reference` / :meth:`reference_sources` when they need
+    reference queries.
+    """
+
+    compression_ratio: float = 0.0
+    sink_size: int = 32
+    window_size: int = 32
+    seed: int | None = None
+    _pending: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _repeating: bool = field(default=False, init=False, repr=False, compare=False)
+    _entered: bool = field(default=False, init=False, repr=False, compare=False)
+    _snapshot: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _attention_mask: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_number("compression_ratio", self.compression_ratio, 0, 1)
+        if self.compression_ratio == 1:
+            raise ValueError("compression_ratio: must be a number in [0, 1) (fraction removed), got 1")
+        check_int_range("sink_size", self.sink_size, 0)
+        check_int_range("window_size", self.window_size, 0)
+        if self.seed is not None:
+            check_int_range("seed", self.seed, -(2**63))
+
+    def post_init_from_model(self, model: PreTrainedModel) -> None:
+        if not self._entered:  # a wrapper press (ComposedPress, PrefillDecodingPress, ...) drives this press
+            caller = sys._getframe(1).f_locals.get("self")
+            wrapper = type(caller).__name__ if isinstance(caller, BasePress) and caller is not self else "a wrapper"
+            raise ValueError(
+                f"press: {type(self).__name__} cannot run inside {wrapper}: it stores per-row weights with the cache, "
+                "and a press that evicts rows after it would misalign them. Use it on its own: "
+                f"with {type(self).__name__}(...)(model): ..."
+            )
+        if not isinstance(model, SUPPORTED_MODELS):
+            names = ", ".join(cls.__name__ for cls in SUPPORTED_MODELS)
+            raise ValueError(f"model: {type(model).__name__} is not supported by {type(self).__name__}; use {names}")
+        use_weighted_attention(model)
+
+    def budget(self, n: int) -> int:
+        """Rows kept per head for an n-token context (kvpress ScorerPress's count)."""
+        return int(n * (1 - self.compression_ratio))
+
+    def plan(self, n: int) -> RowPlan | None:
+        """The split of an n-token context's budget; None when nothing is removed or no row can be kept."""
+        budget = self.budget(n)
+        if budget >= n or budget < 1:
+            return None
+        sink, window = self.sink_size, self.window_size
+        if sink + window >= budget:  # short context: protected tokens shrink to half the budget
+            protected = budget // 2
+            sink = protected * sink // (sink + window)
+            window = protected - sink
+        return RowPlan(n, sink, window, budget - sink - window)
+
+    def layer_seed(self, layer_idx: int) -> int | None:
+        return None if self.seed is None else self.seed * 1_000_003 + layer_idx
+
+    def reference_sources(self) -> tuple[str, ...]:
+        """Reference-query sources this press reads (see :mod:`kvcompress.reference`); none by default."""
+        return ()
+
+    def record_reference(self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor) -> LayerReference:
+        """What :meth:`compress_middle` needs from this layer's prefill call (hook ``kwargs``)."""
+        return LayerReference()
+
+    def repeat_samples(self) -> int:
+        """Repeat-pass queries kept per layer for a fit (subclasses with a fit override it)."""
+        return 0
+
+    def compress_middle(
+        self,
+        module: torch.nn.Module,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        end: int,
+        rows: int,
+        reference: LayerReference,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replace context rows ``[start, end)`` of keys/values ``[b, h_kv, n, d]`` by ``rows`` weighted rows:
+        ``(K [b, h_kv, rows, d], V [b, h_kv, rows, d_v], w [b, h_kv, rows])``."""
+        raise NotImplementedError
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} stores per-row weights with the cache; it cannot run through kvpress's "
+            "compress() protocol (e.g. inside ComposedPress, AdaKVPress or another press's wrapper). Use it on its own."
+        )
+
+    @contextmanager
+    def __call__(self, model: PreTrainedModel):
+        self._pending, self._repeating, self._entered = {}, False, True
+        try:
+            with super().__call__(model):
+                decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
+                hooks = [decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+                if "repeat" in self.reference_sources():
+                    hooks.append(decoder.register_forward_hook(self._after_prefill, with_kwargs=True))
+                try:
+                    yield
+                finally:
+                    for hook in hooks:
+                        hook.remove()
+        finally:
+            self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
+
+    def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Decoder pre-hook: remember the call's padding mask (the repeat pass's own calls are ours)."""
+        if not self._repeating:
+            self._attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+
+    def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
+        if getattr(module, "is_sliding", False):
+            return output  # Gemma3 sliding layers stay exact
+        hidden_states, cache = kwargs["hidden_states"], kwargs["past_key_values"]
+        if self._repeating:
+            if module.layer_idx in self._pending:
+                pending = self._pending[module.layer_idx]
+                keys = cache.layers[module.layer_idx].keys[:, :, : pending["tokens"]]
+                record_repeat(module, kwargs, keys, pending["reference"], self.repeat_samples(), pending["tokens"])
+            restore_layer(cache, module.layer_idx, self._snapshot)
+            return output
+        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+            return output  # only the prefill is compressed
+        check_cache(cache)
+        layer = cache.layers[module.layer_idx]
+        batch, _, n, _ = layer.keys.shape
+        real = real_tokens(self._attention_mask, batch, n, layer.keys.device)
+        if real is None:
+            plans = [self.plan(n)] * batch
+        else:
+            plans = [self.plan(int(row.sum())) for row in real]
+        if all(plan is None for plan in plans):
+            if self.budget(n) < 1:
+                logger.warning_once(f"{type(self).__name__}: a {n}-token context keeps 0 rows; left uncompressed")
+            return output
+        for name, x in (("keys", layer.keys), ("values", layer.values)):
+            check_finite(f"layer {module.layer_idx} {name}", x)
+        if real is None:
+            references = [self.record_reference(module, kwargs, layer.keys)]
+        else:
+            references = [
+                self.record_reference(module, row_kwargs(kwargs, b, index), layer.keys[b : b + 1, :, index])
+                for b, index in enumerate(row.nonzero().squeeze(1) for row in real)
+            ]
+        state = dict(module=module, references=references, plans=plans, real=real, tokens=n)
+        if "repeat" in self.reference_sources():
+            self._pending[module.layer_idx] = state
+        else:
+            self._compress_layer(cache, state)
+        return output
+
+    def _after_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Decoder forward hook: after a prefill whose layers wait for the repeat pass, run it and compress."""
+        if self._repeating or not self._pending:
+            return
+        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        pending, self._pending = self._pending, {}
+        if input_ids is None:
+            raise ValueError(
+                f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
+                "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
+            )
+        real = next(iter(pending.values()))["real"]
+        rows = [None] if real is None else [row.nonzero().squeeze(1) for row in real]
+        for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
+            row_cache = cache if index is None else row_view_cache(cache, b, index)
+            row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]
+            self._pending = {
+                i: dict(reference=state["references"][b], tokens=row_cache.layers[i].keys.shape[-2])
+                for i, state in pending.items()
+            }
+            self._repeating, self._snapshot = True, snapshot_layers(row_cache)
+            try:
+                repeat_context(decoder, row_ids, row_cache, self.repeat_chunk, self._snapshot)
+            finally:
+                self._pending, self._repeating, self._snapshot = {}, False, []
+        for state in pending.values():
+            self._compress_layer(cache, state)
+
+    def _compress_rows(
+        self, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, plan: RowPlan, reference
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of an unpadded context ``[b, h_kv, n, d]``: ``(K, V, w)`` with ``plan.rows`` rows per head."""
+        n = keys.shape[-2]
+        start, end = plan.sink, n - plan.window
+        middle_keys, middle_values, middle_weights = self.compress_middle(
+            module, keys, values, start, end, plan.middle, reference
+        )
+        ones = middle_weights.new_ones(*middle_weights.shape[:2], 1)
+        return (
+            torch.cat([keys[:, :, :start], middle_keys, keys[:, :, end:]], dim=2),
+            torch.cat([values[:, :, :start], middle_values, values[:, :, end:]], dim=2),
+            torch.cat([ones.expand(-1, -1, start), middle_weights, ones.expand(-1, -1, plan.window)], dim=2),
+        )
+
+    def _compress_layer(self, cache, state: dict) -> None:
+        module, real, plans = state["module"], state["real"], state["plans"]
+        layer = cache.layers[module.layer_idx]
+        keys, values = layer.keys, layer.values
+        if real is None:
+            compressed_keys, compressed_values, weights = self._compress_rows(
+                module, keys, values, plans[0], state["references"][0]
+            )
+            value_min, value_max, valid = values.amin(2).float(), values.amax(2).float(), None
+        else:
+            parts = []
+            for b, (row, plan) in enumerate(zip(real, plans, strict=True)):
+                index = row.nonzero().squeeze(1)
+                row_keys, row_values = keys[b : b + 1, :, index], values[b : b + 1, :, index]
+                if plan is None:  # this row removes nothing (or can keep no row): all its real tokens stay
+                    ones = torch.ones(1, keys.shape[1], len(index), device=keys.device)
+                    parts.append((row_keys, row_values, ones))
+                else:
+                    parts.append(self._compress_rows(module, row_keys, row_values, plan, state["references"][b]))
+            compressed_keys, compressed_values, weights, valid = stack_rows(parts)
+            value_min = torch.cat([values[b : b + 1, :, row].amin(2) for b, row in enumerate(real)]).float()
+            value_max = torch.cat([values[b : b + 1, :, row].amax(2) for b, row in enumerate(real)]).float()
+        compressed = WeightedLayer(
+            keys=compressed_keys,
+            values=compressed_values,
+            row_weights=weights,
+            value_min=value_min,
+            value_max=value_max,
+            tokens=state["tokens"],
+            row_valid=valid,
+        )
+        install_compressed_layer(cache, module.layer_idx, compressed)

@@ -1,0 +1,141 @@
+"""Padded batches: every row of a left- or right-padded batch gives what it gives alone (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcompress import CompressKVPress, UniformPress
+from kvcompress.cache import WeightedLayer
+from tests.tiny_models import tiny_model
+
+LENGTHS = (300, 40, 170)  # 40 < the 68 protected tokens of the default press
+QUESTION, NEW_TOKENS, PAD = 5, 6, 0
+
+PRESSES = {
+    "default": lambda: CompressKVPress(compression_ratio=0.75, seed=0),
+    "window-fit": lambda: CompressKVPress(compression_ratio=0.75, reference=("window",), seed=0),
+    "prefill-weights": lambda: CompressKVPress(compression_ratio=0.75, reference=("prefill",), fit="weights"),
+    "hybrid": lambda: CompressKVPress(compression_ratio=0.75, selection="hybrid", fit="none", seed=0),
+    "paper": lambda: CompressKVPress.paper(0.75, seed=0),
+    "uniform": lambda: UniformPress(compression_ratio=0.75, seed=0),
+    "uniform-weighted": lambda: UniformPress(compression_ratio=0.75, weighted=True, seed=0),
+}
+
+
+def random_ids(n: int, seed: int, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def pad_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of rows ``[1, n_i]`` padded on ``side`` to the longest."""
+    width = max(row.shape[1] for row in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        span = slice(width - row.shape[1], width) if side == "left" else slice(0, row.shape[1])
+        ids[b, span], mask[b, span] = row[0], 1
+    return ids, mask
+
+
+@torch.no_grad()
+def prefill(model, press, ids: torch.Tensor, mask: torch.Tensor | None = None) -> DynamicCache:
+    """The context prefill under ``press`` as generate does it: positions count only real tokens."""
+    cache = DynamicCache()
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+    with press(model):
+        model.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    return cache
+
+
+@torch.no_grad()
+def answer(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, question: torch.Tensor) -> tuple:
+    full = torch.cat([ids, question], 1)
+    full_mask = None if mask is None else torch.cat([mask, torch.ones_like(question)], 1)
+    out = model.generate(
+        full,
+        attention_mask=full_mask,
+        past_key_values=cache,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=PAD,
+    )
+    return out.sequences[:, full.shape[1] :], torch.stack(out.logits, 1)
+
+
+def alone_and_batched(model, make_press, side: str, lengths=LENGTHS):
+    contexts = [random_ids(n, seed=n) for n in lengths]
+    question = random_ids(QUESTION, seed=99)
+    alone = []
+    for context in contexts:
+        cache = prefill(model, make_press(), context)
+        alone.append((answer(model, cache, context, None, question), cache))
+    ids, mask = pad_batch(contexts, side)
+    cache = prefill(model, make_press(), ids, mask)
+    batched = answer(model, cache, ids, mask, question.expand(len(contexts), -1))
+    return alone, batched, cache
+
+
+CASES = [("llama", name) for name in PRESSES] + [("qwen2", "default"), ("qwen2", "paper"), ("qwen2", "uniform")]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family, name", CASES)
+def test_each_padded_row_matches_the_row_alone(family, name, side):
+    model = tiny_model(family)
+    alone, (tokens, logits), cache = alone_and_batched(model, PRESSES[name], side)
+    for b, ((row_tokens, row_logits), row_cache) in enumerate(alone):
+        assert torch.equal(tokens[b : b + 1], row_tokens), (b, tokens[b], row_tokens[0])
+        if name != "paper":  # RPNys pivots are discontinuous in the keys: the prefill's fp noise can move one
+            torch.testing.assert_close(logits[b : b + 1], row_logits, rtol=1e-4, atol=1e-4)
+        budget = int(LENGTHS[b] * 0.25)
+        for layer, row_layer in zip(cache.layers, row_cache.layers, strict=True):
+            assert isinstance(layer, WeightedLayer)
+            kept = int(layer.row_valid[b].sum())
+            assert kept == row_layer.context_rows and kept <= budget
+            if name != "paper":
+                assert kept == budget  # short rows too: exactly the budget
+
+
+def test_filler_rows_are_masked_zero_weight_and_counted():
+    model = tiny_model("llama")
+    contexts = [random_ids(n, seed=n) for n in LENGTHS]
+    ids, mask = pad_batch(contexts, "left")
+    cache = prefill(model, CompressKVPress(compression_ratio=0.75, reference=("window",), seed=0), ids, mask)
+    budgets = [int(n * 0.25) for n in LENGTHS]
+    for layer in cache.layers:
+        assert layer.keys.shape[-2] == max(budgets)  # rectangular: the longest row's budget
+        for b, budget in enumerate(budgets):
+            assert layer.row_valid[b].tolist() == [True] * budget + [False] * (max(budgets) - budget)
+            assert torch.all(layer.row_weights[b, :, budget:] == 0)
+            assert torch.all(layer.keys[b, :, budget:] == 0) and torch.all(layer.values[b, :, budget:] == 0)
+    # get_seq_length() counts the padded tokens: positions and masks continue after the padded width.
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_unpadded_mask_takes_the_batched_path_unchanged():
+    model = tiny_model("llama")
+    ids = torch.cat([random_ids(200, seed=s) for s in (1, 2)])
+    press = CompressKVPress(compression_ratio=0.75, reference=("window",), seed=0)
+    plain, masked = prefill(model, press, ids), prefill(model, press, ids, torch.ones_like(ids))
+    for a, b in zip(plain.layers, masked.layers, strict=True):
+        assert a.row_valid is None and b.row_valid is None
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.row_weights, b.row_weights)
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (torch.ones(2, 50, 50), r"attention_mask: kvcompress presses read padding from a 2D mask"),
+        (torch.ones(3, 50, dtype=torch.long), r"attention_mask: shape \(3, 50\) must be \[2, >= 50\]"),
+        (torch.cat([torch.ones(1, 50), torch.zeros(1, 50)]).long(), r"attention_mask: batch rows \[1\] have no real"),
+    ],
+)
+def test_bad_padding_masks_are_refused(mask, message):
+    model = tiny_model("llama")
+    ids = torch.cat([random_ids(50, seed=s) for s in (1, 2)])
+    with pytest.raises(ValueError, match=message), torch.no_grad(), CompressKVPress(compression_ratio=0.5)(model):
+        model.model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache())
