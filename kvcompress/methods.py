@@ -71,17 +71,28 @@ def compress_by_rpnys(
     query_radius: torch.Tensor | None,
     seed: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The paper's Alg. 2 on the middle rows ``[b, h_kv, L, d]``: ``rows // bin_rank`` bins of ``bin_rank``
-    pivots (one bin of ``rows`` pivots when ``rows < bin_rank``)."""
+    """The paper's Alg. 2 on the middle rows ``[b, h_kv, L, d]``: ``rows // bin_rank`` bins of equal pivot counts
+    (one bin of ``rows`` pivots when ``rows < bin_rank``). The ``rows % bins`` rows the bins cannot take are the
+    last middle rows, kept exactly (``w = 1``), so exactly ``rows`` rows come back."""
     bins = max(1, rows // bin_rank)
-    return compress_kv(
-        middle_keys,
-        middle_values,
+    exact = rows - bins * (rows // bins)
+    length = middle_keys.shape[-2] - exact
+    keys, values, weights = compress_kv(
+        middle_keys[:, :, :length],
+        middle_values[:, :, :length],
         bins * (rows // bins),
         bins=bins,
         scaling=module.scaling,
         query_radius=query_radius,
         seed=seed,
+    )
+    if not exact:
+        return keys, values, weights
+    ones = weights.new_ones(*weights.shape[:2], exact)
+    return (
+        torch.cat([keys, middle_keys[:, :, length:]], dim=2),
+        torch.cat([values, middle_values[:, :, length:]], dim=2),
+        torch.cat([weights, ones], dim=2),
     )
 
 

@@ -52,3 +52,53 @@ def test_generate_on_compressed_cache_equals_pipeline_answer(setup):
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=10, do_sample=False)
     assert tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True) == answer
     assert answer.strip()
+
+
+def test_pipeline_over_several_contexts_equals_each_alone(setup):
+    _, _, pipe, context = setup
+    contexts = [context, pydoc_data.topics.topics["if"] + pydoc_data.topics.topics["while"]]
+    press = CompressKVPress(compression_ratio=0.6, seed=0)
+    together = pipe(contexts, question=QUESTIONS[0], press=press, max_new_tokens=8)
+    alone = [pipe(c, question=QUESTIONS[0], press=press, max_new_tokens=8) for c in contexts]
+    assert [r["answer"] for r in together] == [r["answer"] for r in alone]
+
+
+@pytest.mark.parametrize("wrapper", ["composed", "prefill-decoding"])
+def test_wrapper_presses_are_refused_before_anything_runs(setup, wrapper):
+    from kvpress import ComposedPress, DecodingPress, KnormPress, PrefillDecodingPress
+
+    model, _, pipe, context = setup
+    ours = CompressKVPress(compression_ratio=0.5, seed=0)
+    if wrapper == "composed":
+        press, name = ComposedPress([ours, KnormPress(compression_ratio=0.5)]), "ComposedPress"
+    else:
+        decoding = DecodingPress(base_press=KnormPress(), compression_interval=2, target_size=130)
+        press, name = PrefillDecodingPress(prefilling_press=ours, decoding_press=decoding), "PrefillDecodingPress"
+    calls = []
+    hook = model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=f"^press: CompressKVPress cannot run inside {name}"):
+            pipe(context, question=QUESTIONS[0], press=press, max_new_tokens=4)
+        cache = DynamicCache()
+        with pytest.raises(ValueError, match=f"cannot run inside {name}"), press(model):
+            model.model(input_ids=torch.ones(1, 8, dtype=torch.long), past_key_values=cache)
+    finally:
+        hook.remove()
+    assert not calls and not cache.layers  # refused before any forward ran
+
+
+def test_eviction_after_compression_is_refused_without_touching_the_cache(setup):
+    from kvpress import DecodingPress, KnormPress
+
+    model, tokenizer, pipe, context = setup
+    ids = tokenizer(context, return_tensors="pt").input_ids[:, :400]
+    cache = DynamicCache()
+    with torch.no_grad(), CompressKVPress(compression_ratio=0.5, reference=("window",))(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    rows = [layer.keys.shape[-2] for layer in cache.layers]
+    decoding = DecodingPress(base_press=KnormPress(), compression_interval=1, target_size=rows[0] + 1)
+    with pytest.raises(RuntimeError, match="removed rows of a compressed cache layer"), torch.no_grad():
+        with decoding(model):
+            model.generate(torch.cat([ids, ids[:, :3]], 1), past_key_values=cache, max_new_tokens=4)
+    assert all(isinstance(layer, WeightedLayer) for layer in cache.layers)
+    assert all(layer.keys.shape[-2] >= layer.context_rows for layer in cache.layers)

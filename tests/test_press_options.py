@@ -122,21 +122,26 @@ def test_paper_setting_is_the_binned_rpnys_coreset_of_the_middle():
     cache = compressed_cache(model, press, context)
     rows = int(CONTEXT * 0.4) - 64
     bins = rows // 12
+    coreset = bins * (rows // bins)
+    exact = rows - coreset  # the last middle rows the equal bins cannot take stay exact: exactly the budget
+    assert exact > 0
     for idx, (layer, (keys, values)) in enumerate(zip(cache.layers, full, strict=True)):
+        assert layer.keys.shape[-2] == int(CONTEXT * 0.4)
         k_s, v_s, w = compress_kv(
-            keys[:, :, 32:-32],
-            values[:, :, 32:-32],
-            bins * 12,
+            keys[:, :, 32 : -32 - exact],
+            values[:, :, 32 : -32 - exact],
+            coreset,
             bins=bins,
             scaling=model.model.layers[idx].self_attn.scaling,
             seed=press.layer_seed(idx),
         )
-        middle = slice(32, 32 + bins * 12)
+        middle = slice(32, 32 + coreset)
         torch.testing.assert_close(layer.keys[:, :, middle], k_s)
         torch.testing.assert_close(layer.values[:, :, middle], v_s)
         torch.testing.assert_close(layer.row_weights[:, :, middle], w)
         torch.testing.assert_close(layer.keys[:, :, :32], keys[:, :, :32])
-        torch.testing.assert_close(layer.keys[:, :, -32:], keys[:, :, -32:])
+        torch.testing.assert_close(layer.keys[:, :, -32 - exact :], keys[:, :, -32 - exact :])
+        assert torch.all(layer.row_weights[:, :, 32 + coreset :] == 1)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
