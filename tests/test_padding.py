@@ -166,3 +166,26 @@ def test_triton_decode_kernel_on_a_padded_batch_equals_the_reference(side, monke
     assert calls and all(calls)  # every call ran the kernel with a padding mask
     assert torch.equal(tokens, reference[0])
     torch.testing.assert_close(logits, reference[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_embedded_model_left_padded_generate_matches_each_row_alone(embedded_dir):
+    """SmolLM2-135M-Instruct, default press: contexts of 400, 45 and 160 tokens left-padded, as generate pads."""
+    import pydoc_data.topics
+
+    from kvcompress.models import load_model
+
+    model, tokenizer = load_model(str(embedded_dir))
+    text = " ".join(list(pydoc_data.topics.topics.values())[:8])
+    full = tokenizer(text, return_tensors="pt").input_ids
+    contexts = [full[:, :400], full[:, 1000:1045], full[:, 2000:2160]]
+    question = tokenizer(" In short, the text above is about", return_tensors="pt").input_ids
+    alone = []
+    for context in contexts:
+        cache = prefill(model, PRESSES["default"](), context)
+        alone.append(answer(model, cache, context, None, question)[0])
+    ids, mask = pad_batch(contexts, "left")
+    cache = prefill(model, PRESSES["default"](), ids, mask)
+    tokens, _ = answer(model, cache, ids, mask, question.expand(3, -1))
+    for b, row_tokens in enumerate(alone):
+        assert torch.equal(tokens[b : b + 1], row_tokens), [tokenizer.decode(t) for t in (tokens[b], row_tokens[0])]
