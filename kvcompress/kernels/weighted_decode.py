@@ -55,8 +55,8 @@ def _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN: tl.constexpr, HAS
 @triton.jit
 def _weighted_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr,
-    H_KV, N, ROWS, M, split_len, causal_offset, qk_scale,
-    s_qb, s_qh, s_qr, s_qd,
+    H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale,
+    s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_wb, s_wh, s_wn,
@@ -87,11 +87,13 @@ def _weighted_decode_split_kernel(
     d_mask = offs_d < D
     dv_mask = offs_dv < DV
 
-    q_ptrs = q_ptr + b * s_qb + h * s_qh + offs_r[:, None] * s_qr + offs_d[None, :] * s_qd
+    token = offs_r % M
+    head = h * GROUP + offs_r // M  # row r = (query head r // m of the group, token r % m); any query strides
+    q_ptrs = q_ptr + b * s_qb + head[:, None] * s_qh + token[:, None] * s_qm + offs_d[None, :] * s_qd
     q = tl.load(q_ptrs, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    last_key = causal_offset + offs_r % M  # row r = (head r // m, token r % m) sees keys l <= last_key
+    last_key = causal_offset + token  # the row sees keys l <= last_key
 
     k_base = k_ptr + b * s_kb + h * s_kh
     v_base = v_ptr + b * s_vb + h * s_vh
@@ -196,8 +198,12 @@ def unsupported_reason(
     weights: torch.Tensor,
     v_min: torch.Tensor | None = None,
     v_max: torch.Tensor | None = None,
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
 ) -> str | None:
-    """Why the kernel cannot run these (already validated) inputs, or None if it can."""
+    """Why the kernel cannot run these (already validated) inputs, or None if it can.
+
+    ``max_new_tokens``: the most query rows ``m`` per call (None: any; the multi-token kernel
+    ``kvcompress.kernels.weighted_prefill`` shares these checks)."""
     device = queries.device
     if device.type != "cuda" and not INTERPRET:
         return f"needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing triton kernels"
@@ -208,8 +214,8 @@ def unsupported_reason(
             return f"{name} must be float16/bfloat16/float32 on {device}, got {x.dtype} on {x.device}"
     batch, _, m, dim = queries.shape
     n, d_v = keys.shape[2], values.shape[3]
-    if not 1 <= m <= MAX_NEW_TOKENS:
-        return f"supports 1..{MAX_NEW_TOKENS} new tokens per call (queries m={m})"
+    if m < 1 or (max_new_tokens is not None and m > max_new_tokens):
+        return f"supports 1..{max_new_tokens} new tokens per call (queries m={m})"
     for name, size in (("head dim d", dim), ("value dim d_v", d_v)):
         if size % 16 or not 16 <= size <= MAX_HEAD_DIM:
             return f"{name}={size} must be a multiple of 16 in [16, {MAX_HEAD_DIM}]"
@@ -251,7 +257,8 @@ def weighted_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries over a ``[b, h_kv, n, d]`` / ``[b, h_kv, n, d_v]`` cache.
+    """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= MAX_NEW_TOKENS``) over a ``[b, h_kv, n, d]`` /
+    ``[b, h_kv, n, d_v]`` cache.
 
     ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; ``key_mask`` ``[b, n]`` bool (False:
     a key no query of that row sees); any strides. Inputs must already
@@ -262,19 +269,43 @@ def weighted_decode_attention(
     reason = unsupported_reason(queries, keys, values, weights, v_min, v_max)
     if reason is not None:
         raise ValueError(f"weighted decode kernel: {reason}")
+    tiles = dict(block_r=None, block_n=block_n, num_splits=num_splits, num_stages=2)
+    args = (queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
+    return launch_split_k(_weighted_decode_split_kernel, *args, **tiles)
+
+
+def launch_split_k(
+    stage1,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    scaling: float,
+    v_min: torch.Tensor | None,
+    v_max: torch.Tensor | None,
+    causal_offset: int | None,
+    key_mask: torch.Tensor | None,
+    *,
+    block_r: int | None,
+    block_n: int | None,
+    num_splits: int | None,
+    num_stages: int,
+) -> torch.Tensor:
+    """Launch a stage-1 kernel with this module's split kernel's arguments (this one, or the multi-token kernel
+    of ``weighted_prefill``) over (batch * KV head, key split, row block), then stage 2 if there are splits."""
     batch, heads_q, m, dim = queries.shape
     _, heads_kv, n, _ = keys.shape
     d_v = values.shape[3]
     group = heads_q // heads_kv
     rows = group * m
-    q = queries.reshape(batch, heads_kv, rows, dim)  # row r = (query head r // m of the group, token r % m)
 
     # Keys past causal_offset + m - 1 are invisible to every row: never read them.
     c = n if causal_offset is None else min(causal_offset, n)
     n_read = min(n, c + m)
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(d_v)
     wide = max(block_d, block_dv) > 128
-    block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
+    if block_r is None:
+        block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
     row_blocks = triton.cdiv(rows, block_r)
     if block_n is None:
         block_n = 32 if wide else 64
@@ -298,15 +329,15 @@ def weighted_decode_attention(
     dot_fp32 = queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16)
     num_warps = 8 if block_r * block_dv >= 128 * 128 else 4
 
-    _weighted_decode_split_kernel[(batch * heads_kv, num_splits, row_blocks)](
-        q, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart,
-        heads_kv, n_read, rows, m, split_len, c, scaling * LOG2E,
-        *q.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
+    stage1[(batch * heads_kv, num_splits, row_blocks)](
+        queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart,
+        heads_kv, group, n_read, rows, m, split_len, c, scaling * LOG2E,
+        *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
         D=dim, DV=d_v, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, HAS_MASK=key_mask is not None, FINAL=final,
         DOT_FP32=dot_fp32,
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not final:
         _weighted_decode_reduce_kernel[(batch * heads_kv * rows,)](
