@@ -42,17 +42,10 @@ def _flex():
 
 
 def flex_weighted_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    scaling: float,
-    v_min: torch.Tensor | None = None,
-    v_max: torch.Tensor | None = None,
-    causal_offset: int | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, *, scaling: float,
+    v_min: torch.Tensor | None = None, v_max: torch.Tensor | None = None, causal_offset: int | None = None,
     key_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Alg. 3 for visible weights > 0 as FlexAttention with a ``log w`` score bias; shapes as in
     :func:`kvcompress.weighted_attention` (validated inputs that pass :func:`unsupported_reason`). Returns
     ``[b, h_q, m, d_v]`` in ``values.dtype``; a query that sees no key gets 0 before clipping."""
