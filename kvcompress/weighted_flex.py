@@ -10,8 +10,10 @@ storing ``V_S / w`` would not need it).
 
 FlexAttention (``torch.nn.attention.flex_attention``) gets a ``score_mod`` adding ``log w`` (``-inf`` on keys
 ``key_mask`` hides) and a block mask for the causal rule among new rows, so tiles past it are skipped. On
-CUDA it runs compiled (``torch.compile``, one compilation per shape); elsewhere eagerly (torch's unfused
-implementation that builds the logits: for tests).
+CUDA it runs compiled (``torch.compile(flex_attention, dynamic=False)``: one compilation, a few seconds,
+per new shape; past torch._dynamo's recompile limit, 8 by default, torch falls back to the unfused eager
+path, so callers with many shapes raise ``torch._dynamo.config.cache_size_limit``); elsewhere eagerly
+(torch's unfused implementation that builds the logits: for tests). The block mask is built on every call.
 """
 
 from __future__ import annotations
