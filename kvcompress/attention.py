@@ -92,7 +92,10 @@ def weighted_attention(
 
     kwargs = dict(scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=causal_offset, key_mask=key_mask)
     if backend == "flex":
-        from kvcompress import weighted_flex
+        try:
+            from kvcompress import weighted_flex
+        except ImportError as exc:
+            raise ImportError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.9)") from exc
 
         reason = weighted_flex.unsupported_reason(weights, key_mask)
         if reason is not None:
