@@ -38,9 +38,9 @@ def weighted_attention(
     Accumulates in float32 (float64 for float64 inputs); returns ``values.dtype``, ``[b, h_q, m, d_v]``.
 
     ``backend``: ``"torch"`` (the PyTorch reference, which builds the whole logits tensor); ``"triton"``
-    (Triton kernels: the split-K decode kernel ``kvcompress.kernels.weighted_decode`` for 1..16 new tokens,
-    the FlashAttention-2 style ``kvcompress.kernels.weighted_prefill`` for more; CUDA tensors, or CPU tensors
-    under ``TRITON_INTERPRET=1``; float16/bfloat16/float32, head dims multiples of 16 up to 256; raises
+    (the FlashAttention-2 style split-K Triton kernel of ``kvcompress.kernels.weighted_decode``, with decode
+    tiles for 1..16 new tokens and through ``kvcompress.kernels.weighted_prefill`` for more; CUDA tensors, or
+    CPU tensors under ``TRITON_INTERPRET=1``; float16/bfloat16/float32, head dims multiples of 16 up to 256; raises
     ``ValueError`` outside that, ``ImportError`` without triton); ``"flex"`` (torch's FlexAttention with a
     ``log w`` score bias, ``kvcompress.weighted_flex``: only where every visible weight is > 0, else
     ``ValueError``; compiled on CUDA, eager elsewhere); or ``"auto"`` (the Triton kernels for CUDA tensors
