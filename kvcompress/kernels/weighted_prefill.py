@@ -8,7 +8,8 @@ head of the GQA group, new token) pair, so the queries of a block share every K/
 causal among the new rows (tiles past a block's causal limit are skipped, tiles it sees in full run
 unmasked), ``key_mask``, fp32 accumulation, Alg. 3's numerator / denominator, any strides. Long caches with
 few programs are split over the keys and merged by stage 2. This module is its multi-token entry point,
-with prefill tiles: 128 rows per program (64 for head dims > 128) and deeper software pipelining.
+with prefill tiles: 128 rows per program (64 for head dims > 128) and, for 16-bit inputs up to head dim
+128, three pipeline stages.
 
 Work and bytes per (batch, KV head): ``4 * group * m * n * d`` FLOPs (QK^T and PV, before the causal
 skip); K/V/w are read once per row block (``ceil(group * m / 128)`` blocks, mostly served from L2).
@@ -36,6 +37,7 @@ def weighted_prefill_attention(
     :func:`kvcompress.kernels.weighted_decode.weighted_decode_attention` (``scaling`` and the optional
     ``v_min``, ``v_max``, ``causal_offset``, ``key_mask``, ``num_splits``, ``block_n``, ``block_r``), with prefill
     tiles by default. Returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``."""
-    wide = max(queries.shape[3], values.shape[3]) > 128
-    options = {"num_stages": 2 if wide else 3, **options, "max_new_tokens": None}
+    # Three K/V tiles in flight for 16-bit tiles up to d = 128; two otherwise (shared memory).
+    deep = max(queries.shape[3], values.shape[3]) <= 128 and queries.element_size() <= 2
+    options = {"num_stages": 3 if deep else 2, **options, "max_new_tokens": None}
     return _launch(queries, keys, values, weights, **options)
