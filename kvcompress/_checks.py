@@ -39,7 +39,7 @@ def check_finite(name: str, x: torch.Tensor) -> None:
 BACKENDS = ("auto", "torch", "triton")
 
 
-def check_backend(backend: object) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+def check_backend(backend: object, choices: tuple[str, ...] = BACKENDS) -> str:
+    if backend not in choices:
+        raise ValueError(f"backend: must be one of {', '.join(map(repr, choices))}, got {backend!r}")
     return backend

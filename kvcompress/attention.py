@@ -6,8 +6,11 @@ import math
 
 import torch
 
+from kvcompress._checks import BACKENDS as _BASE_BACKENDS
 from kvcompress._checks import check_backend, check_float_tensor, check_int_range, check_positive
 from kvcompress._checks import check_finite as _check_finite
+
+BACKENDS = (*_BASE_BACKENDS, "flex")  # weighted_attention's backends
 
 
 def weighted_attention(
@@ -34,15 +37,19 @@ def weighted_attention(
     filler rows of a compressed cache); combined with ``causal_offset``. A query that sees no key gets 0.
     Accumulates in float32 (float64 for float64 inputs); returns ``values.dtype``, ``[b, h_q, m, d_v]``.
 
-    ``backend``: ``"torch"`` (the PyTorch reference), ``"triton"`` (the split-K decode kernel in
-    ``kvcompress.kernels.weighted_decode``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``;
-    float16/bfloat16/float32, 1..16 new tokens, head dims multiples of 16 up to 256; raises ``ValueError``
-    outside that, ``ImportError`` without triton) or ``"auto"`` (the kernel for CUDA tensors it supports when
-    triton imports, else the reference). ``check_finite``: reject NaN/Inf in queries, keys, values, weights
+    ``backend``: ``"torch"`` (the PyTorch reference, which builds the whole logits tensor); ``"triton"``
+    (the FlashAttention-2 style split-K Triton kernel of ``kvcompress.kernels.weighted_decode``, with decode
+    tiles for 1..16 new tokens and through ``kvcompress.kernels.weighted_prefill`` for more; CUDA tensors, or
+    CPU tensors under ``TRITON_INTERPRET=1``; float16/bfloat16/float32, head dims multiples of 16 up to 256; raises
+    ``ValueError`` outside that, ``ImportError`` without triton); ``"flex"`` (torch's FlexAttention with a
+    ``log w`` score bias, ``kvcompress.weighted_flex``: only where every visible weight is > 0, else
+    ``ValueError``; compiled on CUDA, eager elsewhere); or ``"auto"`` (the Triton kernels for CUDA tensors
+    they support when triton imports, else the reference; FlexAttention is not chosen automatically until
+    GPU timings show where it is faster). ``check_finite``: reject NaN/Inf in queries, keys, values, weights
     and the clip range with a ``ValueError`` (one device sync; pass False where speed matters and the inputs
     are known to be finite).
     """
-    check_backend(backend)
+    check_backend(backend, BACKENDS)
     check_float_tensor("queries", queries, ndim=4)
     check_float_tensor("keys", keys, ndim=4)
     check_float_tensor("values", values, ndim=4)
@@ -83,20 +90,40 @@ def weighted_attention(
             if x is not None:
                 _check_finite(name, x)
 
-    if backend == "triton" or (backend == "auto" and queries.device.type == "cuda"):
+    kwargs = dict(scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=causal_offset, key_mask=key_mask)
+    if backend == "flex":
         try:
-            from kvcompress.kernels import weighted_decode
+            from kvcompress import weighted_flex
         except ImportError as exc:
-            if backend == "triton":
-                raise ImportError("backend='triton' needs the triton package (pip install triton)") from exc
-        else:
-            reason = weighted_decode.unsupported_reason(queries, keys, values, weights, v_min, v_max)
-            if reason is None:
-                kwargs = dict(scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=causal_offset, key_mask=key_mask)
-                return weighted_decode.weighted_decode_attention(queries, keys, values, weights, **kwargs)
-            if backend == "triton":
-                raise ValueError(f"backend='triton': {reason}; use backend='torch' or 'auto'")
+            raise ImportError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.9)") from exc
+
+        reason = weighted_flex.unsupported_reason(weights, key_mask)
+        if reason is not None:
+            raise ValueError(f"backend='flex': {reason}; use backend='triton', 'torch' or 'auto'")
+        return weighted_flex.flex_weighted_attention(queries, keys, values, weights, **kwargs)
+    if backend == "triton" or (backend == "auto" and queries.device.type == "cuda"):
+        kernel = _triton_kernel(queries, keys, values, weights, v_min, v_max, required=backend == "triton")
+        if kernel is not None:
+            return kernel(queries, keys, values, weights, **kwargs)
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
+
+
+def _triton_kernel(queries, keys, values, weights, v_min, v_max, required: bool):
+    """The Triton launcher for these validated inputs (decode kernel up to ``MAX_NEW_TOKENS`` new tokens, the
+    multi-token kernel above), or None where it cannot run them; ``required``: raise instead of None."""
+    try:
+        from kvcompress.kernels import weighted_decode, weighted_prefill
+    except ImportError as exc:
+        if required:
+            raise ImportError("backend='triton' needs the triton package (pip install triton)") from exc
+        return None
+    module = weighted_decode if queries.shape[2] <= weighted_decode.MAX_NEW_TOKENS else weighted_prefill
+    reason = module.unsupported_reason(queries, keys, values, weights, v_min, v_max)
+    if reason is None:
+        return module.weighted_decode_attention if module is weighted_decode else module.weighted_prefill_attention
+    if required:
+        raise ValueError(f"backend='triton': {reason}; use backend='torch' or 'auto'")
+    return None
 
 
 def _weighted_attention_torch(

@@ -75,13 +75,16 @@ def _sums(
     inside = owner >= 0
     slots = torch.arange(k, device=prob.device)
     block = max(k, _CHUNK_ELEMENTS // max(1, problems * max(m, k * d)))
-    for start in range(0, n, block):
+    # The bins each block of positions touches, for every block at once: one device sync, not three per block.
+    starts = range(0, n, block)
+    owner_blocks = torch.nn.functional.pad(owner, (0, len(starts) * block - n), value=-1).reshape(problems, -1, block)
+    lows = owner_blocks.masked_fill(owner_blocks < 0, bins).amin(dim=(0, 2))
+    highs = owner_blocks.amax(dim=(0, 2))
+    for start, low, high in zip(starts, lows.tolist(), highs.tolist(), strict=True):
+        if high < 0:  # only protected positions
+            continue
         stop = min(n, start + block)
         owners, valid = owner[:, start:stop], inside[:, start:stop]
-        if not bool(valid.any()):
-            continue
-        low = int(owners.masked_fill(~valid, bins).min())
-        high = int(owners.max())
         columns = a[:, :, low * k : (high + 1) * k]  # the kept rows of bins low..high
         c_all = prob[:, :, start:stop].transpose(1, 2) @ columns  # [P, block, columns]
         local = ((owners - low).clamp_min(0) * k)[..., None] + slots  # each position's own bin

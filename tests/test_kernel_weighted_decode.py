@@ -136,7 +136,6 @@ def test_bad_backend_raises(backend):
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"m": 17}, "new tokens"),
         ({"d": 8}, "head dim"),
         ({"d": 40}, "head dim"),
         ({"d": 272}, "head dim"),
@@ -154,6 +153,13 @@ def test_triton_unsupported_inputs_raise(change, match):
         weighted_attention(q, k, v, w, backend="triton")
     out = weighted_attention(q, k, v, w)  # auto falls back to the reference
     assert torch.equal(out, weighted_attention(q, k, v, w, backend="torch"))
+
+
+def test_decode_launcher_rejects_more_than_16_new_tokens():
+    """weighted_attention sends m > 16 to the multi-token kernel; the decode launcher itself refuses them."""
+    q, k, v, w, _ = make_inputs(1, 2, 1, 17, 20, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"1\.\.16 new tokens"):
+        weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25)
 
 
 def test_triton_needs_cuda_outside_interpreter(monkeypatch):

@@ -156,3 +156,31 @@ def test_weights_only_fit_scales_kept_values_and_low_precision_stays_finite():
         low = fit_kept_rows(keys.to(dtype), values.to(dtype), kept, protected, queries.to(dtype), 0.25)
         assert low.values.dtype == dtype and low.weights.dtype == torch.float32
         assert torch.isfinite(low.values).all() and (low.weights > 0).all()
+
+
+def test_fit_is_batched_over_heads_and_position_blocks(monkeypatch):
+    """No per-head logic: fitting all (batch row, KV head) problems at once equals fitting each alone, and
+    cutting the positions into many blocks (some holding only protected rows) changes only rounding."""
+    from kvcompress import fitting
+
+    g = _generator(9)
+    keys, values = torch.randn(2, 3, 200, 16, generator=g) * 1.5, torch.randn(2, 3, 200, 16, generator=g)
+    queries = torch.randn(2, 6, 20, 16, generator=g) * 1.5
+    protected = (torch.arange(200) < 40) | (torch.arange(200) >= 180)
+    kept = top_rows(torch.rand(2, 3, 200, generator=g).masked_fill(protected, -1), 30)
+    batched = fit_kept_rows(keys, values, kept, protected, queries, 0.25, bin_rows=8)
+    assert batched.accepted.any()
+    for b in range(2):
+        for h in range(3):
+            alone = fit_kept_rows(
+                keys[b : b + 1, h : h + 1], values[b : b + 1, h : h + 1], kept[b : b + 1, h : h + 1], protected,
+                queries[b : b + 1, 2 * h : 2 * h + 2], 0.25, bin_rows=8,
+            )  # fmt: skip
+            assert bool(alone.accepted) == bool(batched.accepted[b, h])
+            torch.testing.assert_close(alone.weights[0, 0], batched.weights[b, h], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(alone.values[0, 0], batched.values[b, h], rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(fitting, "_CHUNK_ELEMENTS", 100)  # blocks of 8 positions
+    blocked = fit_kept_rows(keys, values, kept, protected, queries, 0.25, bin_rows=8)
+    assert torch.equal(blocked.accepted, batched.accepted)
+    torch.testing.assert_close(blocked.weights, batched.weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(blocked.values, batched.values, rtol=1e-5, atol=1e-6)

@@ -1,18 +1,26 @@
-"""Weighted decode attention (Alg. 3 of WildCat) as a split-K ("flash-decoding") Triton kernel.
+"""Weighted attention (Alg. 3 of WildCat) over a (compressed) cache as a split-K Triton kernel: decode here,
+and any number of new tokens through :mod:`kvcompress.kernels.weighted_prefill` (same kernel).
 
 For each (batch, KV head) the output rows are the ``group * m`` (query head, new token) pairs of that KV
 head's GQA group, ``group = h_q // h_kv``. For row ``r`` (query head ``r // m``, token ``i = r % m``)::
 
-    s_l = scaling * <q_r, k_l>                     (key l visible iff l <= causal_offset + i)
+    s_l = scaling * <q_r, k_l>                     (key l visible iff l <= causal_offset + i and key_mask)
     out = clip( sum_l e^{s_l} v_l / sum_l e^{s_l} w_l , v_min, v_max ),   out = 0 where the denominator <= 0
 
-Bytes (the memory-bound limit): per (batch, KV head) the kernel must read ``K`` (``n * d`` elements), ``V``
-(``n * d_v``) and ``w`` (``n`` floats) once. Stage 1 reads each K/V/w tile exactly once and serves all query
-heads of the group and all new tokens with it (keys past ``causal_offset + m - 1`` are never read; only
-``group * m`` above 128 rows, 64 for head dims > 128, re-reads K/V once per extra row block). The rest
-is small for decode: the queries, the output, and per-split fp32 partials (``splits * rows * (d_v + 2)``
-floats written by stage 1 and read by stage 2, which merges the splits with log-sum-exp rescaling and
-applies Alg. 3's ``den <= 0 -> 0`` and the clip). With a single split, stage 1 writes the output itself (one launch).
+Stage 1, one program per (batch * KV head, key split, block of rows), FlashAttention-2 style: the block's
+queries stay on chip while the program loops over the split's key tiles with an online softmax in fp32
+(log2 units), keeping the numerator ``acc = sum 2^(s - m) v`` and the denominator ``den = sum 2^(s - m) w``
+(not ``sum 2^(s - m)``: weights can be zero or negative). Tiles that every row of the block sees in full
+run without the causal / bounds mask; tiles past the causal limit of every row of the block are never read.
+
+Bytes (the memory-bound limit of decode): per (batch, KV head) the kernel must read ``K`` (``n * d``
+elements), ``V`` (``n * d_v``) and ``w`` (``n`` floats) once. Stage 1 reads each K/V/w tile once per row
+block and serves all query heads of the group and all new tokens of the block with it (keys past
+``causal_offset + m - 1`` are never read; ``group * m`` above 128 rows, 64 for head dims > 128, re-reads
+K/V once per extra row block). The rest is small for decode: the queries, the output, and per-split fp32
+partials (``splits * rows * (d_v + 2)`` floats written by stage 1 and read by stage 2, which merges the
+splits with log-sum-exp rescaling and applies Alg. 3's ``den <= 0 -> 0`` and the clip). With a single
+split, stage 1 writes the output itself (one launch).
 
 Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU tensors (tests).
 """
@@ -53,10 +61,48 @@ def _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN: tl.constexpr, HAS
 
 
 @triton.jit
-def _weighted_decode_split_kernel(
+def _attend_tiles(
+    acc, den, m_i, q, k_base, v_base, w_base, mask_base, lo, hi, last_key, qk_scale,
+    s_kn, s_kd, s_vn, s_vd, s_wn, s_mn, offs_d, offs_dv, d_mask, dv_mask,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, BOUNDED: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update of ``(acc, den, m_i)`` over key tiles ``[lo, hi)``. ``BOUNDED``: mask keys past
+    ``hi`` and past each row's causal ``last_key``; otherwise every key of every tile is visible (but for
+    ``key_mask``)."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if BOUNDED:
+            n_mask = offs_n < hi
+        else:  # whole tiles inside [lo, hi): constant true, so the loads carry no key mask
+            n_mask = tl.full([BLOCK_N], 1, tl.int1)
+        kt = tl.load(k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd,
+                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
+        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd,
+                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_base + offs_n * s_wn, mask=n_mask, other=0.0).to(tl.float32)
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+        if BOUNDED:
+            s = tl.where(n_mask[None, :] & (offs_n[None, :] <= last_key[:, None]), s, float("-inf"))
+        if HAS_MASK:  # padding / filler keys of this batch row: invisible to every query
+            real = tl.load(mask_base + offs_n * s_mn, mask=n_mask, other=0)
+            s = tl.where((real != 0)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # invisible keys: exp2(-inf) = 0
+        den = den * alpha + tl.sum(p * w[None, :], 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, den, m_i
+
+
+@triton.jit
+def _weighted_split_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr,
-    H_KV, N, ROWS, M, split_len, causal_offset, qk_scale,
-    s_qb, s_qh, s_qr, s_qd,
+    H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale,
+    s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_wb, s_wh, s_wn,
@@ -68,11 +114,7 @@ def _weighted_decode_split_kernel(
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """Stage 1, one program per (batch * KV head, key split, row block).
-
-    Keys ``[split * split_len, min((split + 1) * split_len, N))`` in tiles of ``BLOCK_N``; running max
-    ``m`` (log2 units: ``qk_scale = scaling * log2(e)``), ``den = sum 2^(s - m) w``, ``acc = sum 2^(s - m) v``.
-    """
+    """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     rblock = tl.program_id(2)
@@ -82,58 +124,51 @@ def _weighted_decode_split_kernel(
     offs_r = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n0 = tl.arange(0, BLOCK_N)
     r_mask = offs_r < ROWS
     d_mask = offs_d < D
     dv_mask = offs_dv < DV
+    token = offs_r % M
+    head = h * GROUP + offs_r // M  # query head of each row (any query strides)
 
-    q_ptrs = q_ptr + b * s_qb + h * s_qh + offs_r[:, None] * s_qr + offs_d[None, :] * s_qd
+    q_ptrs = q_ptr + b * s_qb + head[:, None] * s_qh + token[:, None] * s_qm + offs_d[None, :] * s_qd
     q = tl.load(q_ptrs, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    last_key = causal_offset + offs_r % M  # row r = (head r // m, token r % m) sees keys l <= last_key
+    last_key = causal_offset + token  # row sees keys l <= last_key
+
+    # Keys [lo, full) are visible to every row of the block; keys past `hi` to none.
+    lo = split * split_len
+    split_hi = tl.minimum(lo + split_len, N)
+    hi = tl.minimum(split_hi, causal_offset + tl.max(tl.where(r_mask, token, 0), 0) + 1)
+    full = tl.minimum(hi, causal_offset + tl.min(tl.where(r_mask, token, M), 0) + 1)
+    full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
     k_base = k_ptr + b * s_kb + h * s_kh
     v_base = v_ptr + b * s_vb + h * s_vh
     w_base = w_ptr + b * s_wb + h * s_wh
-
-    m_i = tl.full([BLOCK_R], NEG_BIG, tl.float32)
-    den = tl.zeros([BLOCK_R], tl.float32)
+    mask_base = mask_ptr + b * s_mb
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, N)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + offs_n0
-        n_mask = offs_n < hi
-        kt_ptrs = k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
-        kt = tl.load(kt_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # K^T tile [BLOCK_D, BLOCK_N]
-        v_ptrs = v_base + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
-        w = tl.load(w_base + offs_n * s_wn, mask=n_mask, other=0.0).to(tl.float32)
-        if DOT_FP32:
-            kt = kt.to(tl.float32)
-            v = v.to(tl.float32)
-        # fp16/bf16: tensor-core dot with fp32 accumulation (exact products); fp32: "ieee", not tf32.
-        s = tl.dot(q, kt, input_precision="ieee") * qk_scale
-        visible = n_mask[None, :] & (offs_n[None, :] <= last_key[:, None])
-        if HAS_MASK:  # padding / filler rows of this batch row: invisible to every query
-            real = tl.load(mask_ptr + b * s_mb + offs_n * s_mn, mask=n_mask, other=0)
-            visible = visible & (real != 0)[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # masked entries: exp2(-inf) = 0
-        den = den * alpha + tl.sum(p * w[None, :], 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    den = tl.zeros([BLOCK_R], tl.float32)
+    m_i = tl.full([BLOCK_R], NEG_BIG, tl.float32)
+    acc, den, m_i = _attend_tiles(
+        acc, den, m_i, q, k_base, v_base, w_base, mask_base, lo, full, last_key, qk_scale,
+        s_kn, s_kd, s_vn, s_vd, s_wn, s_mn, offs_d, offs_dv, d_mask, dv_mask,
+        BLOCK_N, HAS_MASK, False, DOT_FP32,
+    )  # fmt: skip
+    acc, den, m_i = _attend_tiles(
+        acc, den, m_i, q, k_base, v_base, w_base, mask_base, full, hi, last_key, qk_scale,
+        s_kn, s_kd, s_vn, s_vd, s_wn, s_mn, offs_d, offs_dv, d_mask, dv_mask,
+        BLOCK_N, HAS_MASK, True, DOT_FP32,
+    )  # fmt: skip
 
-    if FINAL:  # a single split: finish here, no second launch
+    row = bh.to(tl.int64) * ROWS + offs_r  # = output row of [b, h_q, m] (contiguous)
+    if FINAL:
         vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
         vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
         out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
-        o_ptrs = out_ptr + (bh.to(tl.int64) * ROWS + offs_r)[:, None] * DV + offs_dv[None, :]
+        o_ptrs = out_ptr + row[:, None] * DV + offs_dv[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
-    else:
+    else:  # partials in the decode kernel's layout, merged by its reduce kernel
         part = (bh.to(tl.int64) * tl.num_programs(1) + split) * ROWS + offs_r
         tl.store(mpart_ptr + part, m_i, mask=r_mask)
         tl.store(dpart_ptr + part, den, mask=r_mask)
@@ -196,8 +231,12 @@ def unsupported_reason(
     weights: torch.Tensor,
     v_min: torch.Tensor | None = None,
     v_max: torch.Tensor | None = None,
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
 ) -> str | None:
-    """Why the kernel cannot run these (already validated) inputs, or None if it can."""
+    """Why the kernel cannot run these (already validated) inputs, or None if it can.
+
+    ``max_new_tokens``: the most query rows ``m`` per call (None: any; the multi-token kernel
+    ``kvcompress.kernels.weighted_prefill`` shares these checks)."""
     device = queries.device
     if device.type != "cuda" and not INTERPRET:
         return f"needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing triton kernels"
@@ -208,8 +247,8 @@ def unsupported_reason(
             return f"{name} must be float16/bfloat16/float32 on {device}, got {x.dtype} on {x.device}"
     batch, _, m, dim = queries.shape
     n, d_v = keys.shape[2], values.shape[3]
-    if not 1 <= m <= MAX_NEW_TOKENS:
-        return f"supports 1..{MAX_NEW_TOKENS} new tokens per call (queries m={m})"
+    if m < 1 or (max_new_tokens is not None and m > max_new_tokens):
+        return f"supports 1..{max_new_tokens} new tokens per call (queries m={m})"
     for name, size in (("head dim d", dim), ("value dim d_v", d_v)):
         if size % 16 or not 16 <= size <= MAX_HEAD_DIM:
             return f"{name}={size} must be a multiple of 16 in [16, {MAX_HEAD_DIM}]"
@@ -250,31 +289,36 @@ def weighted_decode_attention(
     key_mask: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    block_r: int | None = None,
+    num_stages: int = 2,
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
 ) -> torch.Tensor:
-    """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries over a ``[b, h_kv, n, d]`` / ``[b, h_kv, n, d_v]`` cache.
+    """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
+    ``[b, h_kv, n, d_v]`` cache.
 
     ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; ``key_mask`` ``[b, n]`` bool (False:
-    a key no query of that row sees); any strides. Inputs must already
-    be validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
-    ``unsupported_reason``. ``num_splits`` / ``block_n`` override the heuristics (tests, tuning). Accumulates
+    a key no query of that row sees); any strides, no copies. Inputs must already be validated
+    (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass ``unsupported_reason``.
+    ``num_splits`` / ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16)
+    override the heuristics (tests, tuning); ``num_stages``: Triton's software pipelining depth. Accumulates
     in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
     """
-    reason = unsupported_reason(queries, keys, values, weights, v_min, v_max)
+    reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
     if reason is not None:
-        raise ValueError(f"weighted decode kernel: {reason}")
+        raise ValueError(f"weighted attention kernel: {reason}")
     batch, heads_q, m, dim = queries.shape
     _, heads_kv, n, _ = keys.shape
     d_v = values.shape[3]
     group = heads_q // heads_kv
     rows = group * m
-    q = queries.reshape(batch, heads_kv, rows, dim)  # row r = (query head r // m of the group, token r % m)
 
     # Keys past causal_offset + m - 1 are invisible to every row: never read them.
     c = n if causal_offset is None else min(causal_offset, n)
     n_read = min(n, c + m)
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(d_v)
     wide = max(block_d, block_dv) > 128
-    block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
+    if block_r is None:
+        block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
     row_blocks = triton.cdiv(rows, block_r)
     if block_n is None:
         block_n = 32 if wide else 64
@@ -298,15 +342,15 @@ def weighted_decode_attention(
     dot_fp32 = queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16)
     num_warps = 8 if block_r * block_dv >= 128 * 128 else 4
 
-    _weighted_decode_split_kernel[(batch * heads_kv, num_splits, row_blocks)](
-        q, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart,
-        heads_kv, n_read, rows, m, split_len, c, scaling * LOG2E,
-        *q.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
+    _weighted_split_kernel[(batch * heads_kv, num_splits, row_blocks)](
+        queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart,
+        heads_kv, group, n_read, rows, m, split_len, c, scaling * LOG2E,
+        *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
         D=dim, DV=d_v, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, HAS_MASK=key_mask is not None, FINAL=final,
         DOT_FP32=dot_fp32,
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not final:
         _weighted_decode_reduce_kernel[(batch * heads_kv * rows,)](
