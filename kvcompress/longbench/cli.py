@@ -135,7 +135,7 @@ def parse_press_options(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
-    """Built-in defaults < YAML (``--config``; configs/offline_default.yaml without --model) < flags."""
+    """Built-in defaults < YAML (``--config``; the package's offline_default.yaml without --model) < flags."""
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config")
     flag_options = parse_press_options(args.pop("press_option") or [])
