@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, _, function = COMMANDS[name][0].partition(":")
-    sys.argv = [f"{PROG} {name}", *rest]  # the command's --help and records name it so
-    status = getattr(importlib.import_module(module), function)(rest)
-    return int(status or 0)
+    command = getattr(importlib.import_module(module), function)
+    saved, sys.argv = sys.argv, [f"{PROG} {name}", *rest]  # the command's --help and run records name it so
+    try:
+        return int(command(rest) or 0)
+    finally:
+        sys.argv = saved

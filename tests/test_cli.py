@@ -49,7 +49,9 @@ def test_bad_subcommand_or_flag_is_one_error_line(capsys):
     assert cli.main(["nope"]) == 2
     assert capsys.readouterr().err == "error: unknown command 'nope'; choose from eval\n"
     assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err
+    argv = list(sys.argv)
     assert cli.main(["eval", "--ratio", "0"]) == 2
+    assert sys.argv == argv  # restored after the command
     err = capsys.readouterr().err
     assert err.startswith("error: --ratio") and err.count("\n") == 1
 
