@@ -31,6 +31,8 @@ class Interrupted(Exception):
 
 @dataclass
 class Config:
+    """Every setting of a run (YAML keys; flags with hyphens). None means the default described by ``--help``."""
+
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct on the offline suite
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     ratio: float = 0.25  # KEPT fraction of the context cache

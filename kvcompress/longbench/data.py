@@ -14,6 +14,8 @@ from kvcompress.longbench.tasks import split_prompt
 
 @dataclass
 class Example:
+    """One example as the pipeline takes it: the compressed context part, the question part, the answer prefix."""
+
     task: str
     index: int  # position in the task's dataset
     key: str  # resume key: _id, or "#index"
@@ -22,8 +24,7 @@ class Example:
     answer_prefix: str
     answers: list[str]
     all_classes: list[str] | None
-    length: int
-
+    length: int  # LongBench's `length` field (words), for the length buckets
 
 
 def _rows_from_jsonl(path: Path) -> list[dict]:

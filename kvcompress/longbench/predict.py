@@ -19,6 +19,7 @@ UNLIMITED_CONTEXT = 10**12  # disables the kvpress pipeline's own (head) truncat
 
 
 def prediction_path(out: Path, method: str, task: str, rank: int = 0, world: int = 1) -> Path:
+    """Where (method, task)'s predictions are appended: ``<task>.jsonl``, or this process's shard."""
     name = f"{task}.jsonl" if world == 1 else f"{task}.rank{rank}.jsonl"
     return out / "predictions" / method / name
 

@@ -82,6 +82,7 @@ def markdown(cfg: Config, plan: dict[str, list[Example]], results: dict[str, Any
 
 
 def write_csv(path: Path, plan: dict[str, list[Example]], results: dict[str, Any]) -> None:
+    """scores.csv: one row per method, task (and the average) and bucket ("overall" first), with completeness."""
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["method", "task", "bucket", "score", "n", "n_expected", "complete"])
