@@ -1,34 +1,6 @@
-"""Run settings shared by the harnesses: dataclass defaults < YAML file < command-line flags."""
+"""The harnesses' YAML loader lives in the library (``kvcompress.config``); re-exported for the CLIs in eval/."""
 
-from __future__ import annotations
+from kvcompress.config import CHECKOUT_ROOT as REPO_ROOT
+from kvcompress.config import load_yaml
 
-from dataclasses import fields
-from pathlib import Path
-from typing import Any
-
-import yaml
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_yaml(path: Path | None, default: Path, config_cls: type) -> dict[str, Any]:
-    """The YAML mapping at ``path`` (or ``default``, which may be absent), keys checked against ``config_cls``.
-
-    Hyphens in keys read as underscores; relative paths also resolve against the repository root.
-    """
-    explicit = path is not None
-    path = path or default
-    if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
-        path = REPO_ROOT / path
-    if not path.exists():
-        if explicit:
-            raise FileNotFoundError(f"--config: {path} does not exist")
-        return {}
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise TypeError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = set(data) - {f.name for f in fields(config_cls)}
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-    return data
+__all__ = ["REPO_ROOT", "load_yaml"]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from eval import longbench, offline_suite
-from eval.longbench import Config, Example
+from kvcompress import longbench
+from kvcompress.longbench import Config, Example, offline_suite
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "eval" / "longbench.py"

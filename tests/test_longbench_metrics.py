@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from eval.longbench_metrics import (
+from kvcompress.longbench.metrics import (
     FIRST_LINE_TASKS,
     MAX_NEW_TOKENS,
     TASK_METRICS,

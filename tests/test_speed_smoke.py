@@ -1,4 +1,4 @@
-"""eval/speed.py in smoke mode on CPU: every section runs and reports positive numbers."""
+"""eval/speed/ (python -m eval.speed) in smoke mode on CPU: every section runs and reports positive numbers."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def test_backend_keyword_is_passed_when_present(tmp_path: Path, monkeypatch: pyt
         wrapper.__signature__ = inspect.signature(wrapper)
         return wrapper
 
-    monkeypatch.setattr(speed, "compress_kv", with_backend(speed.compress_kv))
-    monkeypatch.setattr(speed, "weighted_attention", with_backend(speed.weighted_attention))
+    monkeypatch.setattr(speed.kernels, "compress_kv", with_backend(speed.kernels.compress_kv))
+    monkeypatch.setattr(speed.kernels, "weighted_attention", with_backend(speed.kernels.weighted_attention))
     output = tmp_path / "kernels.json"
     argv = [*TINY, "--only", "kernels", "--backends", "auto", "torch", "--output", str(output)]
     assert speed.main(argv) == 0

@@ -1,0 +1,29 @@
+"""Speed of CompressKV: copy bandwidth, kernel rooflines, and end-to-end prefill/decode on a random-weight model.
+
+Sections (``--only`` picks a subset; every timing is a median over repeats after warm-ups):
+
+* ``bandwidth``: a large device-to-device copy; bytes moved (read + write) / time. This is the
+  denominator of every roofline fraction below.
+* ``kernels``: achieved bytes/s over the copy bandwidth for ``compress_kv`` (bins = rank / 12 at
+  the kept fraction; bytes = K and V read once + K_S, V_S, w written) and for ``weighted_attention``
+  decode (one query per head, GQA; bytes = K, V, w read once + q and out), per ``backend``. A stock
+  ``scaled_dot_product_attention`` on the same K, V is timed beside it for reference.
+* ``e2e``: a random-weight model built from a config (default: Qwen2.5-7B-Instruct's shape; no
+  weights are downloaded). Prefill time with no press, kvpress SnapKVPress and CompressKVPress; decode
+  tokens/s and peak memory for the full cache (sdpa, flash_attention_2 when flash_attn imports) and
+  the compressed caches; and the attention part of a decode step alone: one layer's attention call on
+  each cache (the model's attention function, and the raw kernels).
+
+On CUDA the timings use CUDA events; kernel timings zero an L2-sized buffer before each sample so that
+no cache stays warm between calls. On CPU (``--device cpu --smoke``) the same code paths run at tiny
+sizes with ``time.perf_counter``: a smoke test, not a performance measurement.
+
+Run from the repository root: ``python -m eval.speed`` (defaults in ``configs/speed.yaml``). Modules: ``config``
+(settings, flags), ``clock`` (timing, backends), ``kernels`` (bandwidth and kernel rooflines), ``e2e`` (the
+random-weight model), ``report`` (goals, tables, environment), ``cli`` (the run).
+"""
+
+from eval.speed.cli import main, run
+from eval.speed.config import Config, build_parser, resolve_config, resolve_device
+
+__all__ = ["Config", "build_parser", "main", "resolve_config", "resolve_device", "run"]

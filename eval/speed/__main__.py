@@ -1,0 +1,7 @@
+"""``python -m eval.speed [flags]``."""
+
+import sys
+
+from eval.speed.cli import main
+
+sys.exit(main())

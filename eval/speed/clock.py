@@ -1,0 +1,112 @@
+"""Timing (CUDA events or perf_counter), the backend keyword of the timed functions, and run notes."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Clock:
+    """CUDA events on CUDA devices, ``time.perf_counter`` elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def mark(self) -> Any:
+        """A point in time on the device's stream (an event on CUDA, a float on CPU)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def intervals(self, marks: list[Any]) -> list[float]:
+        """Seconds between consecutive marks (synchronises first)."""
+        self.sync()
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+        return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+
+    def times(self, fn: Callable[[], Any], warmup: int, repeats: int, flush: torch.Tensor | None = None) -> list[float]:
+        """Seconds per call of ``fn`` for ``repeats`` calls after ``warmup`` calls."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        spans = []
+        for _ in range(repeats):
+            if flush is not None:
+                flush.zero_()  # queued ahead of the timed call: the launch overhead hides behind it
+            start = self.mark()
+            fn()
+            spans.append((start, self.mark()))
+        self.sync()
+        return [self.intervals([a, b])[0] for a, b in spans]
+
+    def memory_reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_peak_gib(self) -> float | None:
+        """Peak allocated device memory since the last reset (None on CPU)."""
+        if not self.cuda:
+            return None
+        self.sync()
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "samples": len(samples)}
+
+
+def release(device: torch.device) -> None:
+    """Free what the last measurement left (CUDA only: a full gc pass costs ~0.4 s with transformers loaded)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------- backends
+
+
+def has_backend_keyword(fn: Callable) -> bool:
+    try:
+        return "backend" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def backend_kwargs(fn: Callable, backend: str, device: torch.device) -> tuple[dict | None, str | None]:
+    """``(kwargs, note)`` to run ``fn`` on ``backend``; kwargs None means the backend cannot be measured."""
+    name = fn.__name__
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None, (
+            f"{name}: backend 'triton' skipped on {device.type} (the Triton kernels take CUDA tensors; "
+            "TRITON_INTERPRET=1 runs them in the interpreter, as a code-path check only)"
+        )
+    if has_backend_keyword(fn):
+        return {"backend": backend}, None
+    if backend == "triton":
+        return None, f"{name}: no backend keyword in this kvcompress yet; no Triton path to measure"
+    return {}, f"{name}: no backend keyword in this kvcompress yet; '{backend}' rows ran its default (PyTorch)"
+
+
+class Notes(list):
+    """Printed once each, kept in the JSON."""
+
+    def add(self, note: str | None) -> None:
+        if note and note not in self:
+            self.append(note)
+            print(f"note: {note}")
+

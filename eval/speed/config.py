@@ -1,0 +1,221 @@
+"""Settings of the speed harness: defaults, the --smoke preset, the goals, flags < YAML < defaults, the device."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcompress._checks import BACKENDS
+from kvcompress.config import load_yaml
+
+DESCRIPTION = (
+    "Speed of CompressKV: copy bandwidth, kernel rooflines, and end-to-end prefill/decode on a random-weight model."
+)
+DEFAULT_CONFIG = Path("configs/speed.yaml")
+SECTIONS = ("bandwidth", "kernels", "e2e")
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+# Qwen2.5-7B-Instruct's shape (random weights; nothing is downloaded).
+QWEN25_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+SMOKE_MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+# --smoke: tiny sizes for every code path (applied over the YAML, under explicit flags).
+SMOKE = {
+    "threads": 1,  # a shared 2-core machine: one thread avoids OpenMP spin contention (10-100x slower steps)
+    "warmup": 1,
+    "repeats": 3,
+    "flush_mib": 4,
+    "bandwidth_mib": 16,
+    "compress_n": 512,
+    "compress_heads": [2],
+    "decode_lengths": [256, 512],
+    "decode_batches": [1, 2],
+    "decode_heads": [[2, 2], [1, 3]],
+    "model": SMOKE_MODEL,
+    "prefill_lengths": [384, 512],
+    "e2e_warmup": 1,
+    "e2e_repeats": 2,
+    "decode_context": 512,
+    "decode_tokens": 4,
+    "decode_warmup": 1,
+}
+GOALS = {
+    "prefill_overhead_max": 0.02,  # CompressKV prefill / no-press prefill - 1, longest prefill length
+    "decode_roofline_min": 0.70,  # weighted decode bytes/s over copy bandwidth, compressed lengths >= 4k
+    "decode_roofline_from": 4096,
+    "attention_speedup_min": 3.0,  # full-cache attention time / compressed-cache attention time
+}
+
+
+@dataclass
+class Config:
+    only: list[str] = field(default_factory=lambda: list(SECTIONS))
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str = "bfloat16"
+    output: str | None = None  # None: results/speed/speed.json (speed_smoke.json with --smoke)
+    smoke: bool = False
+    seed: int = 0
+    threads: int | None = None  # torch CPU threads for this run (None: leave as is); --smoke uses 1
+    warmup: int = 3
+    repeats: int = 20
+    flush_mib: int = 256  # zeroed before each kernel sample (> L2 of H100/H200); 0 = no flush
+    bandwidth_mib: int = 2048
+    backends: list[str] = field(default_factory=lambda: ["triton", "torch"])
+    kept: float = 0.25  # kept fraction of the cache (kvpress compression_ratio = 1 - kept)
+    bin_rank: int = 12  # pivots per bin
+    compress_n: int = 32768
+    compress_d: int = 128
+    compress_heads: list[int] = field(default_factory=lambda: [4, 8])
+    compress_batch: int = 1
+    decode_d: int = 128
+    decode_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768])
+    decode_batches: list[int] = field(default_factory=lambda: [1, 4, 16])
+    decode_heads: list[list[int]] = field(default_factory=lambda: [[8, 4], [4, 7]])  # [kv_heads, group]
+    sdpa_reference: bool = True
+    model: dict[str, Any] = field(default_factory=lambda: dict(QWEN25_7B))
+    prefill_lengths: list[int] = field(default_factory=lambda: [8192, 32768])
+    e2e_warmup: int = 1
+    e2e_repeats: int = 3
+    decode_context: int = 32768
+    decode_batch: int = 1
+    decode_tokens: int = 64
+    decode_warmup: int = 8
+    attention_layer: int = 0
+    attn_implementations: list[str] = field(default_factory=lambda: ["sdpa", "flash_attention_2"])
+    snapkv_window: int = 64
+    snapkv_kernel: int = 5
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """CLI flags; all default to None so that the YAML config (then the built-in defaults) fill the gaps."""
+    p = argparse.ArgumentParser(
+        prog="python -m eval.speed", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", type=Path, default=None, help=f"YAML with the same keys (default {DEFAULT_CONFIG})")
+    p.add_argument("--only", help="comma-separated sections: bandwidth,kernels,e2e (default all)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default cuda when available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="tensor and model dtype (default bfloat16)")
+    p.add_argument("--output", help="JSON path (default results/speed/speed.json; speed_smoke.json with --smoke)")
+    p.add_argument("--smoke", action="store_true", default=None, help="tiny sizes for every code path (CPU test)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: unchanged; 1 with --smoke)")
+    p.add_argument("--warmup", type=int, help="warm-up calls per kernel timing (default 3)")
+    p.add_argument("--repeats", type=int, help="timed calls per kernel timing (default 20)")
+    p.add_argument("--flush-mib", type=int, help="buffer zeroed before each kernel sample (default 256; 0 = none)")
+    p.add_argument("--bandwidth-mib", type=int, help="copy buffer size (default 2048)")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, help="kvcompress backends to time (default triton torch)")
+    p.add_argument("--kept", type=float, help="kept fraction of the cache (default 0.25)")
+    p.add_argument("--bin-rank", type=int, help="pivots per bin (default 12)")
+    p.add_argument("--compress-n", type=int, help="compress_kv context length (default 32768)")
+    p.add_argument("--compress-heads", type=int, nargs="+", help="compress_kv KV heads (default 4 8)")
+    p.add_argument("--decode-lengths", type=int, nargs="+", help="compressed lengths for the decode kernel")
+    p.add_argument("--decode-batches", type=int, nargs="+", help="batch sizes for the decode kernel (default 1 4 16)")
+    p.add_argument("--decode-heads", nargs="+", help="KVxGROUP pairs for the decode kernel (default 8x4 4x7)")
+    p.add_argument("--prefill-lengths", type=int, nargs="+", help="e2e prefill lengths (default 8192 32768)")
+    p.add_argument("--decode-context", type=int, help="e2e context before decoding (default 32768)")
+    p.add_argument("--decode-batch", type=int, help="e2e decode batch size (default 1)")
+    p.add_argument("--decode-tokens", type=int, help="e2e timed decode steps (default 64)")
+    p.add_argument("--model-layers", type=int, help="override the model's num_hidden_layers (shorter e2e runs)")
+    p.add_argument("--attn-implementations", nargs="+", help="full-cache attention (default sdpa flash_attention_2)")
+    return p
+
+
+def resolve_config(argv: list[str] | None = None) -> Config:
+    """Built-in defaults < YAML config < smoke preset < command-line flags, validated."""
+    args = vars(build_parser().parse_args(argv))
+    merged = load_yaml(args.pop("config"), DEFAULT_CONFIG, Config)
+    model_layers = args.pop("model_layers")
+    flags = {k: v for k, v in args.items() if v is not None}
+    if "only" in flags:
+        flags["only"] = [s.strip() for s in flags["only"].split(",") if s.strip()]
+    if "decode_heads" in flags:
+        try:
+            flags["decode_heads"] = [[int(x) for x in pair.lower().split("x")] for pair in flags["decode_heads"]]
+        except ValueError as err:
+            raise ValueError("--decode-heads: use KVxGROUP pairs such as 8x4 4x7") from err
+    if flags.get("smoke", merged.get("smoke", False)):
+        merged.update(SMOKE)
+    merged.update(flags)
+    cfg = Config(**merged)
+    cfg.model = {**cfg.model}
+    if model_layers is not None:
+        cfg.model["num_hidden_layers"] = model_layers
+    bad = set(cfg.only) - set(SECTIONS)
+    if bad or not cfg.only:
+        raise ValueError(f"only: choose from {','.join(SECTIONS)}, got {cfg.only}")
+    if set(cfg.backends) - set(BACKENDS):
+        raise ValueError(f"backends: choose from {BACKENDS}, got {cfg.backends}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype: choose from {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if not 0 < cfg.kept < 1:
+        raise ValueError(f"kept: must be in (0, 1), got {cfg.kept}")
+    if any(len(pair) != 2 or min(pair) < 1 for pair in cfg.decode_heads):
+        raise ValueError(f"decode_heads: need [kv_heads, group] pairs >= 1, got {cfg.decode_heads}")
+    sizes = [
+        cfg.repeats,
+        cfg.bandwidth_mib,
+        cfg.compress_n,
+        cfg.compress_d,
+        cfg.decode_d,
+        cfg.bin_rank,
+        cfg.e2e_repeats,
+        cfg.decode_context,
+        cfg.decode_batch,
+        cfg.decode_tokens,
+        *cfg.compress_heads,
+        *cfg.decode_lengths,
+        *cfg.decode_batches,
+        *cfg.prefill_lengths,
+    ]
+    if min(sizes) < 1 or min(cfg.warmup, cfg.e2e_warmup, cfg.decode_warmup, cfg.flush_mib) < 0:
+        raise ValueError("sizes, repeats and token counts must be >= 1; warm-ups and flush_mib >= 0")
+    return cfg
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    name = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: CUDA is not available here; use --device cpu --smoke")
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        return device
+    if device.type != "cpu":
+        raise ValueError(f"--device: use cuda, cuda:N or cpu, got {name!r}")
+    if not cfg.smoke:
+        raise RuntimeError("--device cpu: the full sizes need a GPU; add --smoke (tiny sizes, a smoke test)")
+    return device

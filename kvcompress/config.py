@@ -1,0 +1,36 @@
+"""Run settings of the harnesses: dataclass defaults < YAML file < command-line flags (the one YAML loader)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# The directory holding the ``kvcompress`` package: a source checkout's root (site-packages once installed).
+CHECKOUT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_yaml(path: Path | None, default: Path, config_cls: type) -> dict[str, Any]:
+    """The YAML mapping at ``path`` (or ``default``, which may be absent), keys checked against ``config_cls``.
+
+    Hyphens in keys read as underscores; a relative path missing from the current directory is also looked
+    up in the source checkout holding this package (``configs/...`` from anywhere inside a clone).
+    """
+    explicit = path is not None
+    path = path or default
+    if not path.is_absolute() and not path.exists() and (CHECKOUT_ROOT / path).exists():
+        path = CHECKOUT_ROOT / path
+    if not path.exists():
+        if explicit:
+            raise FileNotFoundError(f"--config: {path} does not exist")
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise TypeError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = set(data) - {f.name for f in fields(config_cls)}
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    return data

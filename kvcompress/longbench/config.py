@@ -1,0 +1,203 @@
+"""The run's settings: the Config dataclass, its checks, the presses it names, and what identifies a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvcompress import registry
+from kvcompress.longbench import offline_suite
+from kvcompress.longbench.tasks import ALL_TASKS, DEFAULT_DATASET, LONGBENCH_TASKS
+
+OFFLINE_CONFIG = Path(__file__).resolve().parent / "offline_default.yaml"  # the embedded run's settings
+EMBEDDED_LABEL = "SmolLM2-135M-Instruct"
+RESULTS_DIR = Path("results") / "longbench"  # default outputs: under the current directory
+
+METHODS: dict[str, str] = {  # name -> row label (kvcompress.registry's presses this harness offers)
+    name: registry.METHODS[name].label
+    for name in ("exact", "compresskv", "compresskv_paper", "snapkv", "streamingllm", "uniform", "pyramidkv")
+}
+DEFAULT_METHODS = ["exact", "compresskv", "snapkv", "streamingllm", "uniform"]
+
+
+class UsageError(Exception):
+    """Bad input: reported as one ``error: ...`` line on stderr, exit status 2."""
+
+
+class Interrupted(Exception):
+    """Predictions stopped before every requested example was done (interrupt, failure of a process)."""
+
+
+@dataclass
+class Config:
+    """Every setting of a run (YAML keys; flags with hyphens). None means the default described by ``--help``."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct on the offline suite
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    ratio: float = 0.25  # KEPT fraction of the context cache
+    tasks: list[str] | None = None  # None: the offline suite without --model, else the 13 LongBench-E tasks
+    dataset: str = DEFAULT_DATASET
+    data_dir: str | None = None
+    limit: int | None = None
+    fraction: float | None = None
+    seed: int = 0
+    device: str = "auto"
+    device_map: str | None = None
+    dtype: str = "auto"
+    attn_implementation: str = "auto"
+    max_context_length: int | None = None
+    max_new_tokens: int | None = None  # None: the protocol's MAX_NEW_TOKENS[task] + 20 (set only for smoke runs)
+    threads: int | None = None
+    output_dir: str | None = None
+    score_only: bool = False
+    press_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # method -> press field -> value
+
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (whitespace collapsed, cut at ``limit`` characters)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validate(cfg: Config) -> Config:
+    """Check every setting (from YAML or flags); UsageError on the first bad one."""
+
+    def names(value, what: str) -> list[str]:
+        if isinstance(value, str):
+            value = value.replace(",", " ").split()
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{what}: expected a non-empty list of names, got {value!r}")
+        return list(dict.fromkeys(value))
+
+    cfg.methods = names(cfg.methods, "--methods")
+    unknown = [m for m in cfg.methods if m not in METHODS]
+    if unknown:
+        raise UsageError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if cfg.tasks is not None:
+        cfg.tasks = names(cfg.tasks, "--tasks")
+        unknown = [t for t in cfg.tasks if t.removesuffix("_e") not in ALL_TASKS]
+        if unknown:
+            raise UsageError(f"--tasks: unknown task {unknown[0]!r}; choose from {', '.join(ALL_TASKS)}")
+        cfg.tasks = list(dict.fromkeys(t.removesuffix("_e") for t in cfg.tasks))
+    ratio = cfg.ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise UsageError(f"--ratio: the kept fraction must be in (0, 1], got {ratio!r}")
+    cfg.ratio = float(ratio)
+    for name in ("limit", "max_context_length", "max_new_tokens", "threads"):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"--{name.replace('_', '-')}: must be an integer >= 1, got {value!r}")
+    if cfg.fraction is not None and (
+        isinstance(cfg.fraction, bool) or not isinstance(cfg.fraction, (int, float)) or not 0 < cfg.fraction <= 1
+    ):
+        raise UsageError(f"--fraction: must be in (0, 1], got {cfg.fraction!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
+        raise UsageError(f"--seed: must be an integer, got {cfg.seed!r}")
+    for name, allowed in (
+        ("device", ("auto", "cpu", "cuda")),
+        ("dtype", ("auto", "float32", "bfloat16", "float16")),
+        ("attn_implementation", ("auto", "sdpa", "eager", "flash_attention_2")),
+    ):
+        value = getattr(cfg, name)
+        if value not in allowed:
+            raise UsageError(f"--{name.replace('_', '-')}: must be one of {', '.join(allowed)}, got {value!r}")
+    if cfg.device_map not in (None, "auto"):
+        raise UsageError(f"--device-map: only 'auto' is supported, got {cfg.device_map!r}")
+    if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
+        raise UsageError(f"--data-dir: {cfg.data_dir} is not a directory")
+    check_press_options(cfg)
+    if cfg.model is not None and not isinstance(cfg.model, str):
+        raise UsageError(f"--model: expected a name or path, got {cfg.model!r}")
+    if cfg.model is not None and Path(cfg.model).expanduser().exists():
+        if not (Path(cfg.model).expanduser() / "config.json").exists():
+            raise UsageError(f"--model: {cfg.model} is not a model directory (no config.json)")
+    elif cfg.model is not None and cfg.model.startswith(("/", ".", "~")):
+        raise UsageError(f"--model: {cfg.model} does not exist")
+    return cfg
+
+
+def check_press_options(cfg: Config) -> None:
+    """Every press option names a method with a press and one of that press's fields, with a valid value."""
+    for method, options in sorted(cfg.press_options.items()):
+        if method not in METHODS or method == "exact":
+            pressed = [m for m in METHODS if m != "exact"]
+            raise UsageError(f"--press-option: {method!r} has no press; choose from {', '.join(pressed)}")
+        if not options:
+            continue
+        press = make_press(method, cfg.ratio, cfg.seed)
+        settable = [f.name for f in fields(press) if f.name not in FIXED_PRESS_FIELDS]
+        for name in options:
+            if name not in settable:
+                raise UsageError(f"--press-option: {method} has no setting {name!r}; choose from {', '.join(settable)}")
+            default, value = getattr(press, name), options[name]
+            if isinstance(default, (int, float)) and not isinstance(default, bool):  # kvpress checks none of these
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if not number or value < 0 or (isinstance(default, int) and not isinstance(value, int)):
+                    kind = "an integer" if isinstance(default, int) else "a number"
+                    raise UsageError(f"--press-option: {method}.{name}: must be {kind} >= 0, got {value!r}")
+        try:
+            make_press(method, cfg.ratio, cfg.seed, options)
+        except (TypeError, ValueError, AssertionError) as err:
+            raise UsageError(f"--press-option: {method}: {one_line(err)}") from None
+
+
+FIXED_PRESS_FIELDS = ("compression_ratio", "press")  # set by --ratio; kvpress's wrapped inner press
+
+
+def make_press(method: str, ratio: float, seed: int, options: dict[str, Any] | None = None):
+    """The press of ``method`` keeping ``ratio`` of the cache (None for exact); ``options`` override its fields."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}")
+    return registry.make_press(method, 1.0 - ratio, seed, **(options or {}))
+
+
+def model_label(cfg: Config) -> str:
+    """The model's short name (its directory or Hub name without the organisation)."""
+    return EMBEDDED_LABEL if cfg.model is None else Path(cfg.model.rstrip("/")).name
+
+
+def output_dir(cfg: Config) -> Path:
+    """``--output-dir``, else ``results/longbench/<model>_<ratio>[_<press options>]`` under the current directory."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    changed = changed_press_options(cfg)
+    suffix = "".join(f"_{m}.{k}={v}" for m, o in changed.items() for k, v in sorted(o.items()))
+    return RESULTS_DIR / f"{model_label(cfg)}_{cfg.ratio:g}{suffix}"
+
+
+def task_list(cfg: Config) -> list[str]:
+    """``--tasks``, else the offline suite without ``--model``, else the 13 LongBench-E tasks."""
+    if cfg.tasks is not None:
+        return cfg.tasks
+    return list(offline_suite.TASKS) if cfg.model is None else list(LONGBENCH_TASKS)
+
+
+def data_source(cfg: Config) -> str:
+    """Where the examples come from: --data-dir, the offline suite or --dataset."""
+    if cfg.data_dir:
+        return f"data_dir={Path(cfg.data_dir).resolve()}"
+    if all(t in offline_suite.TASKS for t in task_list(cfg)):
+        return "offline_suite"
+    return f"dataset={cfg.dataset}"
+
+
+def changed_press_options(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The press fields set away from their defaults, by method (methods without changes left out)."""
+    return {m: cfg.press_options[m] for m in sorted(cfg.press_options) if cfg.press_options[m]}
+
+
+def prediction_settings(cfg: Config) -> dict[str, Any]:
+    """What changes a prediction: a resumed run must agree on all of it."""
+    return {
+        "model": cfg.model or EMBEDDED_LABEL,
+        "ratio": cfg.ratio,
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "data": data_source(cfg),
+        "max_context_length": cfg.max_context_length,
+        "max_new_tokens": cfg.max_new_tokens,
+        "press_options": changed_press_options(cfg),
+    }
+
