@@ -165,6 +165,23 @@ class WeightedDynamicCache(DynamicCache):
             layer.crop(rows)
 
 
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes a cache holds: the storage behind every layer's keys and values and, on compressed layers, the row
+    weights, the filler mask and the value range (filler rows included: they are held).
+
+    Storage, not view size: a slice that keeps a larger buffer alive counts the whole buffer; a buffer shared by
+    several tensors counts once.
+    """
+    storages: dict[tuple[str, int], int] = {}
+    for layer in cache.layers:
+        names = ("keys", "values", "row_weights", "row_valid", "value_min", "value_max")
+        for tensor in (getattr(layer, name, None) for name in names):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 def check_cache(cache: object) -> None:
     """Raise ValueError unless ``cache`` is a transformers DynamicCache kvcompress can compress (not offloaded)."""
     if not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False):

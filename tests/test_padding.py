@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress import CompressKVPress, UniformPress
-from kvcompress.cache import WeightedLayer
+from kvcompress.cache import WeightedLayer, cache_bytes
 from tests.tiny_models import tiny_model
 
 LENGTHS = (300, 40, 170)  # 40 < the 68 protected tokens of the default press
@@ -112,6 +112,12 @@ def test_filler_rows_are_masked_zero_weight_and_counted():
             assert torch.all(layer.keys[b, :, budget:] == 0) and torch.all(layer.values[b, :, budget:] == 0)
     # get_seq_length() counts the padded tokens: positions and masks continue after the padded width.
     assert cache.get_seq_length() == ids.shape[1]
+    held = sum(
+        t.nbytes
+        for layer in cache.layers
+        for t in (layer.keys, layer.values, layer.row_weights, layer.row_valid, layer.value_min, layer.value_max)
+    )
+    assert cache_bytes(cache) == held  # filler rows are held, so they are counted
 
 
 def test_unpadded_mask_takes_the_batched_path_unchanged():

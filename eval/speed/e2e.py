@@ -14,6 +14,7 @@ from eval.speed.clock import Clock, Notes, backend_kwargs, release, stats
 from eval.speed.config import Config
 from eval.speed.kernels import timed_row
 from kvcompress import registry, weighted_attention
+from kvcompress.cache import cache_bytes
 
 
 def build_model(cfg: Config, device: torch.device, dtype: torch.dtype):
@@ -38,17 +39,6 @@ def prefill(model, press, ids: torch.Tensor):
         with press(model):
             model.model(input_ids=ids, past_key_values=cache, use_cache=True)
     return cache
-
-
-def cache_bytes(cache) -> int:
-    """Bytes held by a cache: keys, values and, on compressed layers, weights and value ranges."""
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "row_weights", "value_min", "value_max"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.nbytes
-    return total
 
 
 def make_press(name: str, cfg: Config):

@@ -1,4 +1,5 @@
-"""What the study reads off a model and its cache: post-RoPE queries, bytes held, peak bytes, masked rows."""
+"""What the study reads off a model and its cache: post-RoPE queries, peak bytes (``cache_bytes`` is the library's,
+:func:`kvcompress.cache.cache_bytes`), masked rows."""
 
 from __future__ import annotations
 
@@ -6,29 +7,7 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvcompress.cache import WeightedLayer
-
-
-def _layer_tensors(layer) -> list[torch.Tensor]:
-    tensors = [getattr(layer, name, None) for name in ("keys", "values")]
-    if isinstance(layer, WeightedLayer):
-        tensors += [layer.row_weights, layer.value_min, layer.value_max]
-    return [t for t in tensors if isinstance(t, torch.Tensor)]
-
-
-def cache_bytes(cache) -> int:
-    """Bytes held by ``cache``: the storage behind every layer's keys and values and, for
-    :class:`~kvcompress.cache.WeightedLayer` layers, ``row_weights``, ``value_min`` and ``value_max``.
-
-    Storage, not view size: a slice that keeps a larger buffer alive counts the whole buffer; a buffer
-    shared by several tensors counts once.
-    """
-    storages: dict[tuple[str, int], int] = {}
-    for layer in cache.layers:
-        for tensor in _layer_tensors(layer):
-            storage = tensor.untyped_storage()
-            storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+from kvcompress.cache import cache_bytes
 
 
 class PeakSampler:
