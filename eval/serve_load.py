@@ -4,7 +4,8 @@ For each method (default: ``exact`` and ``compresskv``) the script starts ``pyth
 127.0.0.1 under the same ``--cache-memory``, runs the load, reads the server's ``/metrics`` and stops it. Load:
 ``--users`` users in parallel, each with its own context of ``--context-tokens`` tokens (passages of CPython's
 documentation, offline); each sends the context with a first question, then ``--questions`` follow-up questions
-on the same context, one after the other, streamed, greedy, ``--max-tokens`` each. Bounded: at most
+on the same context, one after the other, streamed, greedy, ``--max-tokens`` each (``--sequential``: one request
+at a time, the users in turn, so the time to first token holds no wait in the queue). Bounded: at most
 ``users x (1 + questions)`` requests per method, and no new request after ``--time-limit`` seconds.
 
 Reported per method: contexts resident at the end and at most during the run (polled every second), reuse
@@ -143,11 +144,19 @@ def run_method(method: str, contexts: list[str], args: argparse.Namespace) -> di
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         start = time.perf_counter()
-        threads = [threading.Thread(target=user, args=(i,)) for i in range(args.users)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if args.sequential:  # round robin, one request at a time: no queueing in the time to first token
+            for k in range(1 + args.questions):
+                for i in range(args.users):
+                    if time.time() > stop_at:
+                        break
+                    question = "\n\nWhat is this text about? Answer briefly." if k == 0 else FOLLOW_UPS[(k - 1) % 5]
+                    results.append((k, ask(base, contexts[i], question, args.max_tokens)))
+        else:
+            threads = [threading.Thread(target=user, args=(i,)) for i in range(args.users)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         wall = time.perf_counter() - start
         done.set()
         m = metrics(base)
@@ -170,13 +179,18 @@ def run_method(method: str, contexts: list[str], args: argparse.Namespace) -> di
         "ttft_first_p50": percentile(first, 0.5), "ttft_follow_p50": percentile(follow, 0.5),
         "ttft_follow_p95": percentile(follow, 0.95),
         "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "server_prefill_s_mean": m.get("kvcompress_prefill_seconds_sum", 0)
+        / max(1, m.get("kvcompress_prefill_seconds_count", 0)),
+        "server_question_prefill_s_mean": m.get("kvcompress_question_prefill_seconds_sum", 0)
+        / max(1, m.get("kvcompress_question_prefill_seconds_count", 0)),
     }
 
 
 def table(rows: list[dict]) -> str:
     head = ("| method | requests ok | contexts resident (end / peak) | resident MB (uncompressed MB) | prefills | "
-            "reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | tokens/s |")
-    lines = [head, "|" + "---|" * 10]
+            "reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | tokens/s | "
+            "server: context prefill / question prefill s (mean) |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['ok']}/{r['requests']} | {r['sessions_resident_end']:.0f} / "
@@ -184,7 +198,7 @@ def table(rows: list[dict]) -> str:
             f"({r['uncompressed_bytes'] / 1e6:.1f}) | "
             f"{r['prefills']:.0f} | {r['reuse_rate']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
             f"{r['ttft_first_p50']:.2f} | {r['ttft_follow_p50']:.2f} / {r['ttft_follow_p95']:.2f} | "
-            f"{r['tokens_per_s']:.2f} |")
+            f"{r['tokens_per_s']:.2f} | {r['server_prefill_s_mean']:.1f} / {r['server_question_prefill_s_mean']:.2f} |")
     return "\n".join(lines)
 
 
@@ -198,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=600, help="no new request after this many seconds")
+    p.add_argument("--sequential", action="store_true",
+                   help="one request at a time, users in turn (time to first token without queueing)")
     p.add_argument("--threads", type=int, help="torch threads of the server")
     p.add_argument("--model")
     p.add_argument("--output", help="write the results as JSON here")
