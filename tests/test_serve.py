@@ -4,6 +4,7 @@ embedded model) against the official ``openai`` client, httpx and kvpress's pipe
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import socket
@@ -379,3 +380,37 @@ def test_completions_endpoint(server):
     assert reply.choices[0].text and reply.usage.completion_tokens <= 5
     with pytest.raises(openai.BadRequestError, match="prompt"):
         api.completions.create(model="SmolLM2-135M-Instruct", prompt="text\n\n", max_tokens=2)
+
+
+# -- the HTTP layer alone, over an engine that fails midway ------------------------------------------------------
+class FailingEngine:
+    """Emits one piece of text, then the error a failing generation reports (what Engine._run emits)."""
+
+    def __init__(self, tokenizer):
+        from kvcompress.serve.metrics import ServerMetrics
+
+        self.tokenizer, self.metrics, self.store = tokenizer, ServerMetrics(), ContextStore(0)
+        self.max_length, self.press_label = 8192, "test"
+
+    def submit(self, job) -> None:
+        job.emit("text", "Hello")
+        job.emit("error", "generation failed: RuntimeError: boom")
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event(embedded_dir):
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from kvcompress.serve.app import create_app
+
+    app = create_app(FailingEngine(AutoTokenizer.from_pretrained(embedded_dir)), "m")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with TestClient(app) as http:
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and '"content": "Hello"' in lines[1]
+        assert json.loads(lines[-2][6:])["error"]["message"] == "generation failed: RuntimeError: boom"
+        assert lines[-1] == "data: [DONE]"
+        r = http.post("/v1/chat/completions", json=body)  # not streamed: the error JSON with its status
+        assert r.status_code == 500 and r.json()["error"]["message"].startswith("generation failed")
+        assert "Traceback" not in r.text
