@@ -414,3 +414,14 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(embedded_dir):
         r = http.post("/v1/chat/completions", json=body)  # not streamed: the error JSON with its status
         assert r.status_code == 500 and r.json()["error"]["message"].startswith("generation failed")
         assert "Traceback" not in r.text
+
+
+@pytest.mark.slow
+def test_readme_openai_example_runs_against_the_server(server, tmp_path):
+    block = re.search(r"```python\n(from openai import OpenAI.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    (tmp_path / "report.txt").write_text(contexts(1)[0])
+    script = block.replace("http://127.0.0.1:8000", server).replace('api_key="EMPTY"', f'api_key="{API_KEY}"')
+    (tmp_path / "example.py").write_text(script)
+    result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "completion_tokens=" in result.stdout and len(result.stdout) > 60
