@@ -425,3 +425,41 @@ def test_readme_openai_example_runs_against_the_server(server, tmp_path):
     result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "completion_tokens=" in result.stdout and len(result.stdout) > 60
+
+
+@pytest.mark.slow
+def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(pipe):
+    """In process: answers never change the stored compressed cache; a press that cannot compress a short context
+    (kvpress's SnapKV asserts the context is longer than its window) leaves it uncompressed instead of failing."""
+    from kvcompress.registry import make_press
+    from kvcompress.serve.engine import Engine, Job
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.protocol import Message, chat_split
+
+    model, tokenizer = pipe.model, pipe.tokenizer
+    engine = Engine(model, tokenizer, model_name="m", press=make_press("compresskv", 0.75, 0), press_label="c",
+                    store=ContextStore(10**9), metrics=ServerMetrics())
+    try:
+        parts = [{"type": "text", "text": contexts(1)[0]}, {"type": "text", "text": QUESTIONS[0]}]
+        context_ids, question_ids = chat_split(tokenizer, [Message(role="user", content=parts)])
+        stored = engine.context_cache(context_ids)
+        assert isinstance(stored.layers[0], WeightedLayer)
+        before = [(x, x.keys.clone(), x.values.clone(), x.row_weights.clone()) for x in stored.layers]
+        with torch.inference_mode():  # what the worker thread runs under
+            for temperature in (0.0, 1.0):
+                engine._serve(Job(context_ids, question_ids, max_tokens=5, temperature=temperature, seed=1))
+        assert engine.context_cache(context_ids) is stored
+        for layer, (obj, k, v, w) in zip(stored.layers, before, strict=True):
+            assert layer is obj and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            assert torch.equal(layer.row_weights, w)
+
+        snap = Engine(model, tokenizer, model_name="m", press=make_press("snapkv", 0.75, 0), press_label="s",
+                      store=ContextStore(10**9), metrics=ServerMetrics())
+        try:
+            short = tokenizer.encode("A short context.")
+            cache = snap.context_cache(short)
+            assert cache.get_seq_length() == len(short) and snap.metrics.uncompressed._value.get() == 1
+        finally:
+            snap.shutdown()
+    finally:
+        engine.shutdown()

@@ -138,7 +138,14 @@ class Engine:
             if self.press is None:
                 self.model.model(input_ids=ids, past_key_values=cache)
             else:
-                with self.press(self.model):
+                try:
+                    with self.press(self.model):
+                        self.model.model(input_ids=ids, past_key_values=cache)
+                except (AssertionError, ValueError) as err:  # e.g. kvpress's SnapKV on a context under its window
+                    log.warning("the press cannot compress this %d-token context (%s); it is kept uncompressed",
+                                len(tokens), str(err).splitlines()[0] if str(err) else type(err).__name__)
+                    self.metrics.uncompressed.inc()
+                    cache = DynamicCache()
                     self.model.model(input_ids=ids, past_key_values=cache)
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
         self.store.put(key, cache, len(tokens))

@@ -35,6 +35,8 @@ class ServerMetrics:
                                           buckets=buckets, registry=r)
         self.decode_seconds = Histogram(f"{PREFIX}_decode_seconds", "decode time per request", buckets=buckets,
                                         registry=r)
+        self.uncompressed = Counter(f"{PREFIX}_press_fallbacks", "contexts the press could not compress (kept whole)",
+                                    registry=r)
         self.cancelled = Counter(f"{PREFIX}_cancelled", "generations cancelled by a client disconnect", registry=r)
 
     def set_store(self, stats: dict[str, int]) -> None:
