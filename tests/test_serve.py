@@ -378,6 +378,10 @@ def test_completions_endpoint(server):
     reply = api.completions.create(model="SmolLM2-135M-Instruct", prompt=context + "\n\nIn short, this text is about",
                                    max_tokens=5, temperature=0)
     assert reply.choices[0].text and reply.usage.completion_tokens <= 5
+    sampled = [api.completions.create(model="SmolLM2-135M-Instruct", prompt=context + "\n\nA poem about it:",
+                                      max_tokens=6, temperature=1.0, top_p=0.9, seed=seed).choices[0].text
+               for seed in (3, 3, 4)]
+    assert sampled[0] == sampled[1]  # the same seed draws the same tokens
     with pytest.raises(openai.BadRequestError, match="prompt"):
         api.completions.create(model="SmolLM2-135M-Instruct", prompt="text\n\n", max_tokens=2)
 
