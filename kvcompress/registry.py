@@ -75,3 +75,17 @@ def make_press(name: str, compression_ratio: float, seed: int = 0, **options: An
             raise ValueError(f"method: {name} has no press and takes no options, got {sorted(options)}")
         return None
     return dataclasses.replace(press, **options) if options else press
+
+
+def parse_press_option(item: str, method: str | None = None) -> tuple[str, str, Any]:
+    """``"compresskv.window_size=128"`` -> ``("compresskv", "window_size", 128)`` (the value read as YAML);
+    with ``method`` given, ``"window_size=128"`` names a field of that method. ValueError naming ``--press-option``."""
+    import yaml
+
+    target, sep, value = item.partition("=")
+    name_method, dot, name = target.rpartition(".")
+    if not dot and method is not None:
+        name_method = method
+    if not (sep and name_method and name):
+        raise ValueError(f"--press-option: expected METHOD.FIELD=VALUE, got {item!r}")
+    return name_method.strip(), name.strip(), yaml.safe_load(value)

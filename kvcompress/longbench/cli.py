@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from kvcompress import registry
 from kvcompress.config import load_yaml
 from kvcompress.longbench.config import (
     DEFAULT_METHODS,
@@ -126,11 +127,11 @@ def parse_press_options(items: list[str]) -> dict[str, dict[str, Any]]:
     """``["compresskv.window_size=128", ...]`` -> ``{"compresskv": {"window_size": 128}}`` (values as YAML)."""
     options: dict[str, dict[str, Any]] = {}
     for item in items:
-        target, sep, value = item.partition("=")
-        method, dot, name = target.partition(".")
-        if not (sep and dot and method and name):
-            raise UsageError(f"--press-option: expected METHOD.FIELD=VALUE, got {item!r}")
-        options.setdefault(method, {})[name] = yaml.safe_load(value)
+        try:
+            method, name, value = registry.parse_press_option(item)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        options.setdefault(method, {})[name] = value
     return options
 
 

@@ -1,0 +1,235 @@
+"""Load benchmark of ``kvcompress serve``: simulated users with long contexts and follow-up questions.
+
+For each method (default: ``exact`` and ``compresskv``) the script starts ``python -m kvcompress.serve`` on
+127.0.0.1 under the same ``--cache-memory``, runs the load, reads the server's ``/metrics`` and stops it. Load:
+``--users`` users in parallel, each with its own context of ``--context-tokens`` tokens (passages of CPython's
+documentation, offline); each sends the context with a first question, then ``--questions`` follow-up questions
+on the same context, one after the other, streamed, greedy, ``--max-tokens`` each (``--sequential``: one request
+at a time, the users in turn, so the time to first token holds no wait in the queue). Bounded: at most
+``users x (1 + questions)`` requests per method, and no new request after ``--time-limit`` seconds.
+
+Reported per method: contexts resident at the end and at most during the run (polled every second), reuse
+rate (store hits / requests), p50 and p95 time to first token (all requests, first questions, follow-ups),
+generated tokens per second over the run, prefills, resident bytes next to their uncompressed size.
+
+    python -m eval.serve_load --users 4 --questions 3 --context-tokens 1024 --cache-memory 52MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLLOW_UPS = [
+    "\n\nName one keyword this text mentions.",
+    "\n\nWhat is the first sentence about?",
+    "\n\nGive a one-line summary.",
+    "\n\nWhich example does it give?",
+    "\n\nIs anything deprecated here?",
+]
+
+
+def user_contexts(users: int, tokens: int) -> list[str]:
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+
+    from kvcompress.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    text = "\n\n".join(pydoc_data.topics.topics.values())
+    ids = tokenizer.encode(text)
+    if len(ids) < users * tokens:
+        raise SystemExit(f"--context-tokens: {users} users x {tokens} tokens exceed the {len(ids)}-token corpus")
+    return [tokenizer.decode(ids[i * tokens: (i + 1) * tokens]) for i in range(users)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(method: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--method", method, "--ratio",
+           str(args.ratio), "--cache-memory", args.cache_memory, "--log-level", "warning",
+           "--max-queue", str(max(8, 2 * args.users))]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the {method} server did not start")
+
+
+def metrics(base: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
+        m = re.match(r"^(kvcompress_[a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def ask(base: str, context: str, question: str, max_tokens: int) -> dict:
+    """One streamed chat request: time to first content token, total time, tokens generated."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": context},
+                                                      {"type": "text", "text": question}]}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, tokens = None, 0
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    return {"status": 200, "ttft": first if first is not None else total, "seconds": total, "tokens": tokens}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def run_method(method: str, contexts: list[str], args: argparse.Namespace) -> dict:
+    proc, base = start_server(method, args)
+    try:
+        results: list[tuple[int, dict]] = []
+        peak = {"sessions": 0.0}
+        stop_at = time.time() + args.time_limit
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(1.0):
+                peak["sessions"] = max(peak["sessions"], metrics(base).get("kvcompress_cache_sessions", 0))
+
+        def user(i: int) -> None:
+            for k in range(1 + args.questions):
+                if time.time() > stop_at:
+                    return
+                question = "\n\nWhat is this text about? Answer briefly." if k == 0 else FOLLOW_UPS[(k - 1) % 5]
+                results.append((k, ask(base, contexts[i], question, args.max_tokens)))
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        start = time.perf_counter()
+        if args.sequential:  # round robin, one request at a time: no queueing in the time to first token
+            for k in range(1 + args.questions):
+                for i in range(args.users):
+                    if time.time() > stop_at:
+                        break
+                    question = "\n\nWhat is this text about? Answer briefly." if k == 0 else FOLLOW_UPS[(k - 1) % 5]
+                    results.append((k, ask(base, contexts[i], question, args.max_tokens)))
+        else:
+            threads = [threading.Thread(target=user, args=(i,)) for i in range(args.users)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        wall = time.perf_counter() - start
+        done.set()
+        m = metrics(base)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    ok = [r for _, r in results if r["status"] == 200]
+    first = [r["ttft"] for k, r in results if k == 0 and r["status"] == 200]
+    follow = [r["ttft"] for k, r in results if k > 0 and r["status"] == 200]
+    hits = sum(v for key, v in m.items() if key.startswith("kvcompress_context_reuse_hits_total{"))
+    misses = m.get("kvcompress_context_reuse_misses_total", 0)
+    return {
+        "method": method, "requests": len(results), "ok": len(ok), "wall_s": wall,
+        "sessions_resident_end": m.get("kvcompress_cache_sessions", 0),
+        "sessions_resident_peak": max(peak["sessions"], m.get("kvcompress_cache_sessions", 0)),
+        "resident_bytes": m.get("kvcompress_cache_resident_bytes", 0),
+        "uncompressed_bytes": m.get("kvcompress_cache_uncompressed_bytes", 0),
+        "prefills": m.get("kvcompress_prefills_total", 0), "reuse_rate": hits / max(1, hits + misses),
+        "ttft_p50": percentile([r["ttft"] for r in ok], 0.5), "ttft_p95": percentile([r["ttft"] for r in ok], 0.95),
+        "ttft_first_p50": percentile(first, 0.5), "ttft_follow_p50": percentile(follow, 0.5),
+        "ttft_follow_p95": percentile(follow, 0.95),
+        "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "server_prefill_s_mean": m.get("kvcompress_prefill_seconds_sum", 0)
+        / max(1, m.get("kvcompress_prefill_seconds_count", 0)),
+        "server_question_prefill_s_mean": m.get("kvcompress_question_prefill_seconds_sum", 0)
+        / max(1, m.get("kvcompress_question_prefill_seconds_count", 0)),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| method | requests ok | contexts resident (end / peak) | resident MB (uncompressed MB) | prefills | "
+            "reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | tokens/s | "
+            "server: context prefill / question prefill s (mean) |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['ok']}/{r['requests']} | {r['sessions_resident_end']:.0f} / "
+            f"{r['sessions_resident_peak']:.0f} | {r['resident_bytes'] / 1e6:.1f} "
+            f"({r['uncompressed_bytes'] / 1e6:.1f}) | "
+            f"{r['prefills']:.0f} | {r['reuse_rate']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
+            f"{r['ttft_first_p50']:.2f} | {r['ttft_follow_p50']:.2f} / {r['ttft_follow_p95']:.2f} | "
+            f"{r['tokens_per_s']:.2f} | {r['server_prefill_s_mean']:.1f} / {r['server_question_prefill_s_mean']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", nargs="+", default=["exact", "compresskv"])
+    p.add_argument("--ratio", type=float, default=0.25, help="kept fraction (default 0.25)")
+    p.add_argument("--cache-memory", default="52MiB", help="the same store budget for every method")
+    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--questions", type=int, default=3, help="follow-up questions per user")
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--time-limit", type=float, default=600, help="no new request after this many seconds")
+    p.add_argument("--sequential", action="store_true",
+                   help="one request at a time, users in turn (time to first token without queueing)")
+    p.add_argument("--threads", type=int, help="torch threads of the server")
+    p.add_argument("--model")
+    p.add_argument("--output", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    for name in ("users", "context_tokens", "max_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be an integer >= 1")
+    if args.questions < 0:
+        p.error("--questions: must be an integer >= 0")
+    contexts = user_contexts(args.users, args.context_tokens)
+    rows = [run_method(method, contexts, args) for method in args.methods]
+    print(table(rows))
+    if args.output:
+        Path(args.output).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

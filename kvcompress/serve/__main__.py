@@ -1,0 +1,5 @@
+import sys
+
+from kvcompress.serve.cli import main
+
+sys.exit(main())

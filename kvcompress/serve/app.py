@@ -1,0 +1,212 @@
+"""FastAPI routes: the OpenAI API over the :class:`~kvcompress.serve.engine.Engine` (no model code here)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvcompress.serve.engine import Engine, Job, QueueFull
+from kvcompress.serve.protocol import ApiError, ChatRequest, CompletionRequest, chat_split, completion_split, parse
+
+log = logging.getLogger("kvcompress.serve")
+
+
+def create_app(engine: Engine, served_model: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="kvcompress", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = engine.metrics
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        try:
+            response = await call_next(request)
+        except Exception:  # noqa: BLE001 - never a stack trace to the client
+            log.exception("request failed")
+            response = error_response(ApiError(500, "internal error: the server failed on this request"))
+        route = request.url.path if request.url.path in KNOWN_ROUTES else "other"
+        metrics.requests.labels(route=route, status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError):
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        message = f"route: {request.method} {request.url.path} does not exist" if err.status_code in (404, 405) \
+            else str(err.detail)
+        return error_response(ApiError(err.status_code, message, "route"))
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise ApiError(401, "api_key: missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           "api_key", "invalid_api_key")
+
+    async def read(request: Request, schema):
+        authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"body: not valid JSON ({err})") from None
+        req = parse(schema, body)
+        if req.model is not None and req.model != served_model:
+            raise ApiError(404, f"model: the model {req.model!r} does not exist; this server serves {served_model!r}",
+                           "model", "model_not_found")
+        return req
+
+    def make_job(req, context_ids: list[int], question_ids: list[int], field: str) -> Job:
+        prompt = len(context_ids) + len(question_ids)
+        limit = engine.max_length
+        if limit is not None and prompt >= limit:
+            raise ApiError(413, f"{field}: the prompt is {prompt} tokens; the model's maximum context is {limit} "
+                                "tokens (prompt plus at least one generated token)", field, "context_length_exceeded")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = (limit - prompt) if limit is not None else 4096
+        elif limit is not None and prompt + max_tokens > limit:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"{name}: the prompt is {prompt} tokens and the model's maximum context is {limit}, "
+                                f"so at most {limit - prompt} tokens can be generated, got {max_tokens}", name)
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        top_p = 1.0 if req.top_p is None else float(req.top_p)
+        return Job(context_ids, question_ids, max_tokens, temperature, top_p, req.seed, req.stop)
+
+    async def start(job: Job) -> None:
+        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        try:
+            engine.submit(job)
+        except QueueFull as err:
+            raise ApiError(429, f"queue: {err}", "queue", "queue_full", {"Retry-After": str(err.retry_after)}) from None
+
+    async def respond(request: Request, req, job: Job, kind: str):
+        await start(job)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        if req.stream:
+            events = stream_events(request, job, rid, kind, req)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text: list[str] = []
+        finished = False
+        try:
+            while not finished:
+                try:
+                    event = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                if event[0] == "text":
+                    text.append(event[1])
+                elif event[0] == "error":
+                    finished = True
+                    raise ApiError(500, event[1])
+                else:
+                    _, finish, prompt_tokens, completion_tokens = event
+                    finished = True
+        finally:
+            if not finished:  # the client went away: stop the generation
+                job.cancelled.set()
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        content = "".join(text)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": served_model, "choices": [choice],
+                "usage": usage}
+
+    async def stream_events(request: Request, job: Job, rid: str, kind: str, req) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        now = int(time.time())
+
+        def chunk(content: str | None, finish: str | None, role: bool = False) -> str:
+            if kind == "chat":
+                delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+            body = {"id": rid, "object": obj, "created": now, "model": served_model, "choices": [choice]}
+            return f"data: {json.dumps(body)}\n\n"
+
+        done = False
+        try:
+            if kind == "chat":
+                yield chunk(None, None, role=True)
+            while True:
+                event = await job.events.get()
+                if event[0] == "text":
+                    yield chunk(event[1], None)
+                elif event[0] == "error":
+                    yield f"data: {json.dumps(ApiError(500, event[1]).body())}\n\n"
+                    break
+                else:
+                    _, finish, prompt_tokens, completion_tokens = event
+                    yield chunk(None, finish)
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}
+                        body = {"id": rid, "object": obj, "created": now, "model": served_model, "choices": [],
+                                "usage": usage}
+                        yield f"data: {json.dumps(body)}\n\n"
+                    break
+            done = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away (or the response was cancelled): stop the generation
+                job.cancelled.set()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await read(request, ChatRequest)
+        context_ids, question_ids = chat_split(engine.tokenizer, req.messages)
+        return await respond(request, req, make_job(req, context_ids, question_ids, "messages"), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await read(request, CompletionRequest)
+        context, question = completion_split(req.prompt)
+        encode = engine.tokenizer.encode
+        context_ids = encode(context, add_special_tokens=True) if context else []
+        question_ids = encode(question, add_special_tokens=not context) if question else []
+        if not question_ids:
+            raise ApiError(400, "prompt: must end with text after its last blank line (the part not compressed)",
+                           "prompt")
+        return await respond(request, req, make_job(req, context_ids, question_ids, "prompt"), "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
+                                            "owned_by": "kvcompress", "max_model_len": engine.max_length}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served_model, "method": engine.press_label}
+
+    @app.get("/metrics")
+    async def prometheus():
+        metrics.set_store(engine.store.stats())
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)

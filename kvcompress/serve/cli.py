@@ -1,0 +1,122 @@
+"""``kvcompress serve`` / ``python -m kvcompress.serve``: parse flags, load the model and press, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EPILOG = """example:
+  python -m kvcompress.serve --method compresskv --ratio 0.25 --cache-memory 2GiB --port 8000
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "system", "content": "<document>"}, {"role": "user", "content": "<question>"}]}'
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcompress serve", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="OpenAI-compatible server that keeps each long context compressed and reuses it.",
+    )
+    p.add_argument("--model", help="local model directory or Hub name (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the name clients send as 'model' (default: --model's name)")
+    p.add_argument("--method", default="compresskv",
+                   help="a press of the method registry, or exact (default compresskv)")
+    p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
+    p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
+                   help="one press field other than its default, e.g. window_size=128 (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed of randomised presses (default 0)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--device-map", choices=("auto",), help="spread the model over the GPUs (accelerate)")
+    p.add_argument("--cache-memory", default="2GiB", help="budget of the resident compressed contexts (default 2GiB)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for the model; more get 429 (default 64)")
+    p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def press_from_args(args: argparse.Namespace):
+    """(press or None, a label naming the press settings exactly) from --method, --ratio, --press-option."""
+    from kvcompress.registry import METHODS, make_press, parse_press_option
+
+    if args.method not in METHODS:
+        raise ValueError(f"--method: unknown method {args.method!r}; choose from {', '.join(METHODS)}")
+    if not 0 < args.ratio <= 1:
+        raise ValueError(f"--ratio: the kept fraction must be in (0, 1], got {args.ratio}")
+    options = {}
+    for item in args.press_option:
+        method, name, value = parse_press_option(item, args.method)
+        if method != args.method:
+            raise ValueError(f"--press-option: {item!r} names {method!r}, but --method is {args.method!r}")
+        options[name] = value
+    try:
+        press = make_press(args.method, 1.0 - args.ratio, args.seed, **options)
+    except TypeError as err:
+        raise ValueError(f"--press-option: {err}") from None
+    label = "exact" if press is None else f"{args.method}:{press!r}"
+    return press, label
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from kvcompress.serve.store import parse_bytes
+
+        capacity = parse_bytes(args.cache_memory)
+        if args.max_queue < 1:
+            raise ValueError(f"--max-queue: must be an integer >= 1, got {args.max_queue}")
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
+        press, press_label = press_from_args(args)
+    except ValueError as err:
+        print(f"kvcompress serve: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from kvcompress.serve.app import create_app
+    except ImportError as err:
+        print(f"kvcompress serve: error: {err.name} is missing; install the serve extra: pip install "
+              "'kvcompress[serve]'", file=sys.stderr)
+        return 2
+    import torch
+
+    from kvcompress.models import EMBEDDED_MODEL, load_model
+    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.store import ContextStore
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    try:
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype), device=device,
+                                      device_map=args.device_map)
+    except (OSError, ValueError) as err:
+        print(f"kvcompress serve: error: --model: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    served = args.served_model_name or (EMBEDDED_MODEL if args.model is None else Path(args.model.rstrip("/")).name
+                                        if Path(args.model).exists() else args.model)
+    metrics = ServerMetrics()
+    engine = Engine(model, tokenizer, model_name=served, press=press, press_label=press_label,
+                    store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue)
+    app = create_app(engine, served, api_key=args.api_key)
+    logging.getLogger("kvcompress.serve").info(
+        "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s", served, args.method, args.ratio,
+        args.host, args.port, args.cache_memory)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0

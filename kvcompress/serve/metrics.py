@@ -1,0 +1,49 @@
+"""Prometheus metrics of the server (one registry per server, so tests can run several in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "kvcompress"
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens (context + question)", registry=r)
+        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "generated tokens", registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "requests waiting for the model worker", registry=r)
+        self.running = Gauge(f"{PREFIX}_requests_running", "requests the model worker is serving (0 or 1)", registry=r)
+        self.cache_bytes = Gauge(f"{PREFIX}_cache_resident_bytes", "tensor bytes of the resident compressed contexts",
+                                 registry=r)
+        self.cache_full_bytes = Gauge(f"{PREFIX}_cache_uncompressed_bytes",
+                                      "bytes the resident contexts would take uncompressed", registry=r)
+        self.cache_sessions = Gauge(f"{PREFIX}_cache_sessions", "resident compressed contexts", registry=r)
+        self.cache_evictions = Gauge(f"{PREFIX}_cache_evictions", "contexts evicted from the store so far", registry=r)
+        self.context_hits = Counter(f"{PREFIX}_context_reuse_hits", "requests served from a stored context",
+                                    ["kind"], registry=r)  # kind: exact (same context) or prefix (a later turn)
+        self.context_misses = Counter(f"{PREFIX}_context_reuse_misses", "requests whose context was prefilled",
+                                      registry=r)
+        self.prefills = Counter(f"{PREFIX}_prefills", "context prefills under the press", registry=r)
+        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+        self.prefill_seconds = Histogram(f"{PREFIX}_prefill_seconds", "context prefill + compression time",
+                                         buckets=buckets, registry=r)
+        self.question_seconds = Histogram(f"{PREFIX}_question_prefill_seconds", "question prefill time (first token)",
+                                          buckets=buckets, registry=r)
+        self.decode_seconds = Histogram(f"{PREFIX}_decode_seconds", "decode time per request", buckets=buckets,
+                                        registry=r)
+        self.uncompressed = Counter(f"{PREFIX}_press_fallbacks", "contexts the press could not compress (kept whole)",
+                                    registry=r)
+        self.cancelled = Counter(f"{PREFIX}_cancelled", "generations cancelled by a client disconnect", registry=r)
+
+    def set_store(self, stats: dict[str, int]) -> None:
+        self.cache_bytes.set(stats["bytes"])
+        self.cache_full_bytes.set(stats["full_bytes"])
+        self.cache_sessions.set(stats["sessions"])
+        self.cache_evictions.set(stats["evictions"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

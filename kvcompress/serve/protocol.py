@@ -1,0 +1,157 @@
+"""OpenAI request schemas, their validation and OpenAI-shaped errors.
+
+Statuses: 400 a value the server cannot use (body not JSON, empty ``messages``, ``n`` other than 1, a number out
+of range, the last message not from the user); 401 a wrong API key; 404 an unknown model or route; 413 a prompt
+longer than the model's maximum; 422 a missing field or one of the wrong type (a non-integer ``max_tokens``, an
+unknown role); 429 the worker's queue is full. Every message starts with the field it is about.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "internal_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields this server does not use
+
+
+class TextPart(_Schema):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Schema):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Schema):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Schema):
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: StrictInt | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+
+
+def _field(loc: tuple) -> str:
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in ("str", "list[TextPart]", "list[str]", "int", "float", "bool", "TextPart"):
+            continue  # the branch of a union pydantic tried, not a field
+        else:
+            name += f".{part}" if name else str(part)
+    return name or "body"
+
+
+def parse(schema: type[_Sampling], body: Any) -> _Sampling:
+    """Validate a decoded JSON body (422 naming the first bad field; 400 if the body is not an object)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {type(body).__name__}")
+    try:
+        request = schema.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = _field(first["loc"])
+        got = "" if first["type"] == "missing" else f", got {first.get('input')!r}"
+        raise ApiError(422, f"{param}: {first['msg']}{got}"[:500], param) from None
+    check_values(request)
+    return request
+
+
+def check_values(request: _Sampling) -> None:
+    """Ranges and the semantic rules the schema does not express (400)."""
+    if isinstance(request, ChatRequest):
+        if not request.messages:
+            raise ApiError(400, "messages: must hold at least one message", "messages")
+        if request.messages[-1].role != "user":
+            raise ApiError(400, "messages: the last message must be from the user (the question to answer), got "
+                                f"{request.messages[-1].role!r}", "messages")
+        if request.max_completion_tokens is not None:
+            request.max_tokens = request.max_completion_tokens
+    elif isinstance(request.prompt, list):
+        if len(request.prompt) != 1:
+            count = len(request.prompt)
+            raise ApiError(400, f"prompt: this server takes one prompt per request, got {count}", "prompt")
+        request.prompt = request.prompt[0]
+    name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise ApiError(400, f"{name}: must be an integer >= 1, got {request.max_tokens}", name)
+    if request.temperature is not None and not 0 <= request.temperature <= 2:
+        raise ApiError(400, f"temperature: must be in [0, 2], got {request.temperature}", "temperature")
+    if request.top_p is not None and not 0 < request.top_p <= 1:
+        raise ApiError(400, f"top_p: must be in (0, 1], got {request.top_p}", "top_p")
+    if request.n != 1:
+        raise ApiError(400, f"n: this server generates one choice per request (n=1), got {request.n}", "n")
+    stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise ApiError(400, f"stop: up to 4 non-empty strings, got {request.stop!r}", "stop")
+    request.stop = stops
+
+
+def completion_split(text: str) -> tuple[str, str]:
+    """A raw completions prompt: the context is everything through its last blank line, the rest is the question."""
+    cut = text.rfind("\n\n")
+    return (text[: cut + 2], text[cut + 2:]) if cut >= 0 else ("", text)
+
+
+def chat_split(tokenizer, messages: list[Message]) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of a chat, split as kvpress's pipeline splits its chat template.
+
+    The context is the rendered conversation up to the start of the last user message's text (its turn header
+    included); the question is that text and what the template puts after it (end of turn, the assistant's
+    header). When the last user message has several text parts, all but the last one belong to the context: a
+    document followed by a question, exactly kvpress's ``pipeline(context, question=...)``. Both parts are
+    tokenized separately without special tokens, as the pipeline does.
+    """
+    last = messages[-1]
+    parts = [last.content] if isinstance(last.content, str) else [p.text for p in last.content]
+    if tokenizer.chat_template is None:  # the pipeline's rule without a template: bos + context, question + "\n"
+        history = "".join(m.text() + "\n" for m in messages[:-1])
+        context = (tokenizer.bos_token or "") + history + "".join(parts[:-1])
+        question = parts[-1] + "\n"
+    else:
+        separator = "\u2063" * 3 + "kvcompress-split" + "\u2063" * 3
+        rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        rendered[-1]["content"] = "".join(parts[:-1]) + separator + parts[-1]
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=False)
+        context, question = text.split(separator)
+    encode = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []  # noqa: E731
+    return encode(context), encode(question)

@@ -1,0 +1,150 @@
+"""The compressed-context store: one resident cache per (context tokens, model, press settings), LRU by bytes.
+
+A stored cache is never changed by an answer: :func:`answer_view` hands out a cache whose layer objects are
+shallow copies sharing the stored tensors; every row an answer appends goes through ``torch.cat`` into new
+tensors owned by the copy, so the stored tensors and layer objects stay as they were (copy on write).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvcompress.cache import WeightedLayer
+
+StoreKey = tuple[tuple[int, ...], str, str]  # (context token ids, model name, press settings)
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes of every tensor the cache holds (keys, values and a compressed layer's weights and value range)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "row_weights", "value_min", "value_max"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def full_cache_bytes(cache: DynamicCache, tokens: int) -> int:
+    """Bytes the same context would take uncompressed: ``tokens`` rows of keys and values in every layer."""
+    total = 0
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4:
+            row = keys.shape[1] * keys.shape[3] * keys.element_size()
+            row += values.shape[1] * values.shape[3] * values.element_size()
+            total += keys.shape[0] * row * tokens
+    return total
+
+
+def answer_view(cache: DynamicCache) -> DynamicCache:
+    """A cache for one answer over ``cache``: same tensors, own layer objects (appends never reach the original)."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in view.layers:
+        if isinstance(layer, WeightedLayer):
+            layer.keys = layer.keys[...]  # a fresh view, so the tag names this layer object and not the stored one
+            layer.values = layer.values[...]
+    return view
+
+
+@dataclass
+class Entry:
+    key: StoreKey
+    cache: DynamicCache
+    tokens: int  # context tokens the cache stands for
+    nbytes: int  # real tensor bytes held
+    full_nbytes: int  # what the uncompressed cache of the context would take
+
+
+class ContextStore:
+    """LRU store of compressed context caches within ``capacity`` bytes (thread-safe).
+
+    ``put`` evicts the least recently used entries until the new one fits; an entry larger than the whole
+    budget is not kept (the request that made it still gets its answer).
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"cache_memory: must be >= 0 bytes, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[StoreKey, Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def get(self, key: StoreKey) -> Entry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def longest_prefix(self, tokens: tuple[int, ...], model: str, press: str, min_tokens: int) -> Entry | None:
+        """The stored entry of this model and press whose context is the longest proper prefix of ``tokens``
+        with at least ``min_tokens`` tokens (marked as used), or None."""
+        with self._lock:
+            best = None
+            for key, entry in self._entries.items():
+                ids, key_model, key_press = key
+                if key_model != model or key_press != press or not (min_tokens <= len(ids) < len(tokens)):
+                    continue
+                if tokens[: len(ids)] == ids and (best is None or len(ids) > best.tokens):
+                    best = entry
+            if best is not None:
+                self._entries.move_to_end(best.key)
+            return best
+
+    def put(self, key: StoreKey, cache: DynamicCache, tokens: int) -> Entry | None:
+        """Store ``cache`` (which the caller must not change afterwards); returns the entry, None if too big."""
+        entry = Entry(key, cache, tokens, cache_bytes(cache), full_cache_bytes(cache, tokens))
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if entry.nbytes > self.capacity:
+                if old is not None:
+                    self.evictions += 1
+                return None
+            while self._entries and self.resident_bytes_locked() + entry.nbytes > self.capacity:
+                self._entries.popitem(last=False)
+                self.evictions += 1
+            self._entries[key] = entry
+            return entry
+
+    def resident_bytes_locked(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def stats(self) -> dict[str, int]:
+        """sessions, resident bytes, uncompressed bytes of the same contexts, evictions."""
+        with self._lock:
+            entries = list(self._entries.values())
+            return {
+                "sessions": len(entries),
+                "bytes": sum(e.nbytes for e in entries),
+                "full_bytes": sum(e.full_nbytes for e in entries),
+                "evictions": self.evictions,
+            }
+
+    def keys(self) -> list[StoreKey]:
+        with self._lock:
+            return list(self._entries)
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1000000"`` -> bytes (``ValueError`` naming ``--cache-memory``)."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value < 0:
+        raise ValueError(f"--cache-memory: expected a size such as 2GiB, 512MiB or 1000000 (bytes), got {text!r}")
+    return int(value * units[unit])

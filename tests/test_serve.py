@@ -1,0 +1,469 @@
+"""kvcompress.serve: the store on plain tensors, and a real server (uvicorn in a subprocess on 127.0.0.1 with the
+embedded model) against the official ``openai`` client, httpx and kvpress's pipeline."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcompress.cache import WeightedDynamicCache, WeightedLayer
+from kvcompress.serve.store import ContextStore, answer_view, cache_bytes, parse_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key-123"
+
+
+def random_cache(rows: int, layers: int = 2, weighted: bool = False, seed: int = 0) -> DynamicCache:
+    g = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    for i in range(layers):
+        k, v = torch.randn(1, 2, rows, 8, generator=g), torch.randn(1, 2, rows, 8, generator=g)
+        cache.update(k, v, i)
+        if weighted:
+            w = torch.rand(1, 2, rows, generator=g)
+            layer = WeightedLayer(k, v, w, v.amin(-2), v.amax(-2), tokens=4 * rows)
+            cache.layers[i] = layer
+    if weighted:
+        cache.__class__ = WeightedDynamicCache
+    return cache
+
+
+# -- the store (no server) ---------------------------------------------------------------------------------
+def test_store_evicts_least_recently_used_by_bytes():
+    size = cache_bytes(random_cache(10))
+    assert size == 2 * 2 * (2 * 10 * 8) * 4  # layers x (K, V) x rows x dim x heads x float32
+    store = ContextStore(capacity=int(2.5 * size))
+    keys = [((i, i + 1), "m", "p") for i in range(3)]
+    store.put(keys[0], random_cache(10, seed=0), 10)
+    store.put(keys[1], random_cache(10, seed=1), 10)
+    assert store.get(keys[0]) is not None  # keys[0] is now the most recently used
+    store.put(keys[2], random_cache(10, seed=2), 10)
+    assert store.keys() == [keys[0], keys[2]]  # keys[1], the least recently used, went
+    assert store.stats() == {"sessions": 2, "bytes": 2 * size, "full_bytes": 2 * size, "evictions": 1}
+    assert store.put(((9,), "m", "p"), random_cache(40), 40) is None  # bigger than the whole budget: not kept
+    assert store.keys() == [keys[0], keys[2]]
+
+
+def test_store_prefix_lookup_needs_same_model_press_and_enough_tokens():
+    store = ContextStore(capacity=10**9)
+    store.put(((1, 2, 3), "m", "p"), random_cache(3), 3)
+    store.put(((1, 2), "m", "p"), random_cache(2), 2)
+    assert store.longest_prefix((1, 2, 3, 4), "m", "p", min_tokens=1).tokens == 3
+    assert store.longest_prefix((1, 2, 3, 4), "m", "q", min_tokens=1) is None
+    assert store.longest_prefix((1, 2, 3, 4), "m", "p", min_tokens=4) is None
+    assert store.longest_prefix((1, 2, 3), "m", "p", min_tokens=1).tokens == 2  # a proper prefix only
+    assert store.longest_prefix((1, 5, 3, 4), "m", "p", min_tokens=1) is None
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_answer_view_never_changes_the_stored_cache(weighted):
+    cache = random_cache(6, weighted=weighted)
+    before = [(layer.keys.clone(), layer.values.clone(), layer) for layer in cache.layers]
+    view = answer_view(cache)
+    for i in range(2):
+        view.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), i)
+    view.crop(view.get_seq_length() - 1)
+    assert [layer.keys.shape[-2] for layer in view.layers] == [8, 8]
+    for layer, (k, v, obj) in zip(cache.layers, before, strict=True):
+        assert layer is obj and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ratio", "1.5"], "--ratio"),
+        (["--method", "nope"], "--method"),
+        (["--cache-memory", "lots"], "--cache-memory"),
+        (["--max-queue", "0"], "--max-queue"),
+        (["--press-option", "window_size=-3"], "window_size"),
+        (["--press-option", "snapkv.window_size=8"], "--press-option"),
+        (["--press-option", "no_such_field=1"], "--press-option"),
+    ],
+)
+def test_cli_rejects_bad_flags_before_loading_the_model(argv, message, capsys):
+    from kvcompress.serve.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1000") == 1000
+    for bad in ("two", "-1GiB", "3XB"):
+        with pytest.raises(ValueError, match="--cache-memory"):
+            parse_bytes(bad)
+
+
+# -- a real server --------------------------------------------------------------------------------------------
+QUESTIONS = ["\n\nWhat does this text describe? Answer briefly.", "\n\nName one keyword from the text."]
+
+
+def contexts(count: int, tokens: int = 360) -> list[str]:
+    """``count`` different passages of CPython's documentation, ``tokens`` tokens each (compressed at 25% kept:
+    the template adds ~25 tokens, and 25% of the whole must exceed the 68 protected rows)."""
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+
+    from kvcompress.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 6 * tokens]
+    return [tokenizer.decode(tokenizer.encode(t)[:tokens]) for t in texts[:count]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def context_bytes_estimate(tokens: int) -> int:
+    """Compressed bytes of a ``tokens``-token context on SmolLM2-135M at 25% kept (30 layers, 3 x 64 K and V)."""
+    return 30 * (int(tokens * 0.25) * 3 * 64 * 4 * 2 + 3 * 4 * int(tokens * 0.25) + 2 * 3 * 64 * 4)
+
+
+@pytest.fixture(scope="module")
+def server(embedded_dir):
+    """One server for the module: compresskv at 25% kept, room for about two of these contexts, an API key."""
+    import httpx
+
+    port = free_port()
+    budget = int(2.2 * context_bytes_estimate(385))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--threads", "1", "--api-key", API_KEY,
+           "--max-queue", "8", "--cache-memory", str(budget), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stdout.read()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not start in 300 s")
+    yield base
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def pipe(embedded_dir):
+    import kvpress  # noqa: F401 - registers the pipeline
+    from transformers import pipeline
+
+    from kvcompress.models import load_model
+
+    torch.set_num_threads(1)  # the server's thread count, so both reduce in the same order
+    model, tokenizer = load_model()
+    yield pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    torch.set_num_threads(2)
+
+
+def pipeline_answers(pipe, context: str, questions: list[str], max_new_tokens: int) -> list[str]:
+    from kvcompress.registry import make_press
+
+    press = make_press("compresskv", 0.75, 0)
+    return pipe(context, questions=questions, press=press, max_new_tokens=max_new_tokens)["answers"]
+
+
+def client(base: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def doc_question(context: str, question: str) -> list[dict]:
+    """The document and the question as two text parts of one user message: kvpress's pipeline protocol."""
+    return [{"role": "user", "content": [{"type": "text", "text": context}, {"type": "text", "text": question}]}]
+
+
+def metric(base: str, name: str, labels: str = "") -> float:
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.slow
+def test_answers_equal_pipeline_stream_joins_and_reuse(server, pipe):
+    context = contexts(1)[0]
+    expected = pipeline_answers(pipe, context, QUESTIONS, max_new_tokens=12)
+    api = client(server)
+    prefills = metric(server, "kvcompress_prefills_total")
+    first = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=doc_question(context, QUESTIONS[0]),
+                                        temperature=0, max_tokens=12)
+    assert first.choices[0].message.content == expected[0]
+    assert first.usage.prompt_tokens > 360 and 1 <= first.usage.completion_tokens <= 12
+    assert metric(server, "kvcompress_prefills_total") == prefills + 1
+    hits = metric(server, "kvcompress_context_reuse_hits_total", '{kind="exact"}')
+    chunks = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=doc_question(context, QUESTIONS[0]),
+                                         temperature=0, max_tokens=12, stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected[0]
+    second = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=doc_question(context, QUESTIONS[1]),
+                                         temperature=0, max_tokens=12)
+    assert second.choices[0].message.content == expected[1]  # what a fresh pipeline (a fresh server) answers
+    assert metric(server, "kvcompress_prefills_total") == prefills + 1  # no second prefill
+    assert metric(server, "kvcompress_context_reuse_hits_total", '{kind="exact"}') == hits + 2
+    resident = metric(server, "kvcompress_cache_resident_bytes")
+    full = metric(server, "kvcompress_cache_uncompressed_bytes")
+    assert 0 < resident < 0.35 * full  # 25% kept plus the weights and value ranges
+
+    # stop strings: the answer stops right before the first one
+    answer = expected[0]
+    stop = answer[len(answer) // 2: len(answer) // 2 + 3]
+    cut = api.chat.completions.create(messages=doc_question(context, QUESTIONS[0]), model="SmolLM2-135M-Instruct",
+                                      temperature=0, max_tokens=12, stop=[stop])
+    assert cut.choices[0].message.content == answer[: answer.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+    # the next turn of this chat reuses the stored context and prefills only the new turns
+    turn = doc_question(context, QUESTIONS[0]) + [{"role": "assistant", "content": answer},
+                                                   {"role": "user", "content": "Say it again in one word."}]
+    prefix_hits = metric(server, "kvcompress_context_reuse_hits_total", '{kind="prefix"}')
+    reply = api.chat.completions.create(messages=turn, model="SmolLM2-135M-Instruct", temperature=0, max_tokens=4)
+    assert reply.choices[0].message.content and metric(server, "kvcompress_prefills_total") == prefills + 1
+    assert metric(server, "kvcompress_context_reuse_hits_total", '{kind="prefix"}') == prefix_hits + 1
+
+
+@pytest.mark.slow
+def test_eight_concurrent_clients_get_their_own_answers(server, pipe):
+    docs = contexts(9, tokens=300)[1:]  # 300 + ~25 template tokens: still compressed at 25% kept
+    api = client(server)
+
+    def ask(doc: str) -> str:
+        reply = api.chat.completions.create(messages=doc_question(doc, QUESTIONS[0]), model="SmolLM2-135M-Instruct",
+                                            temperature=0, max_tokens=6)
+        return reply.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, doc) for doc in docs]  # all 8 in flight while the pipeline runs here
+        expected = [pipeline_answers(pipe, doc, QUESTIONS[:1], max_new_tokens=6)[0] for doc in docs]
+        answers = [f.result() for f in futures]
+    assert answers == expected
+    assert len(set(expected)) > 1  # the contexts really lead to different answers
+
+
+@pytest.mark.slow
+def test_small_cache_memory_evicts_the_oldest_context(server):
+    import httpx
+
+    docs = contexts(12)[9:12]  # three new contexts; the budget holds two
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def ask(doc: str) -> None:
+        r = httpx.post(f"{server}/v1/chat/completions", headers=headers, timeout=300,
+                       json={"messages": doc_question(doc, "\n\nOk?"), "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    evictions = metric(server, "kvcompress_cache_evictions")
+    for doc in docs:
+        ask(doc)
+    assert metric(server, "kvcompress_cache_sessions") == 2
+    assert metric(server, "kvcompress_cache_evictions") > evictions
+    prefills = metric(server, "kvcompress_prefills_total")
+    ask(docs[2])  # the newest is resident
+    assert metric(server, "kvcompress_prefills_total") == prefills
+    ask(docs[0])  # the oldest was evicted: prefilled again
+    assert metric(server, "kvcompress_prefills_total") == prefills + 1
+
+
+BAD_INPUTS = [  # (body, status, param)
+    ({"max_tokens": 4}, 422, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 422, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 422, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, 422, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -2}, 400, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 413, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
+]
+
+
+@pytest.mark.slow
+def test_bad_inputs_get_openai_errors_naming_the_field(server):
+    import httpx
+    import openai
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for body, status, param in BAD_INPUTS:
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        error = r.json()["error"]
+        assert (r.status_code, error["param"]) == (status, param), (body, r.text)
+        assert error["message"].startswith(param) and "Traceback" not in r.text
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body")
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": 7}, headers=headers, timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"
+    for auth in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                       headers=auth, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["param"] == "api_key"
+    assert httpx.get(f"{server}/v1/nothing", headers=headers).status_code == 404
+    import openai as oa
+
+    wrong = oa.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="api_key"):
+        wrong.models.list()
+    with pytest.raises(openai.NotFoundError, match="model"):
+        client(server).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert [m.id for m in client(server).models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+@pytest.mark.slow
+def test_full_queue_gets_429_and_disconnect_cancels(server):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": 6, "temperature": 0}
+
+    def post(_: int) -> httpx.Response:
+        return httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(post, range(16)))
+    codes = sorted(r.status_code for r in statuses)
+    assert set(codes) == {200, 429} and codes.count(200) >= 9, codes  # one running + 8 waiting are served
+    busy = next(r for r in statuses if r.status_code == 429)
+    assert int(busy.headers["Retry-After"]) >= 1 and busy.json()["error"]["param"] == "queue"
+
+    cancelled = metric(server, "kvcompress_cancelled_total")
+    long = {**body, "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "Tell a long story."}]}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=long, headers=headers, timeout=300) as r:
+        for line in r.iter_lines():
+            if '"content": "' in line and '"content": ""' not in line:
+                break  # the first token arrived: hang up
+    deadline = time.time() + 60
+    while metric(server, "kvcompress_cancelled_total") == cancelled and time.time() < deadline:
+        time.sleep(0.5)
+    assert metric(server, "kvcompress_cancelled_total") == cancelled + 1
+    assert metric(server, "kvcompress_completion_tokens_total") > 0
+
+
+@pytest.mark.slow
+def test_completions_endpoint(server):
+    import openai
+
+    context = contexts(1)[0]
+    api = client(server)
+    reply = api.completions.create(model="SmolLM2-135M-Instruct", prompt=context + "\n\nIn short, this text is about",
+                                   max_tokens=5, temperature=0)
+    assert reply.choices[0].text and reply.usage.completion_tokens <= 5
+    sampled = [api.completions.create(model="SmolLM2-135M-Instruct", prompt=context + "\n\nA poem about it:",
+                                      max_tokens=6, temperature=1.0, top_p=0.9, seed=seed).choices[0].text
+               for seed in (3, 3, 4)]
+    assert sampled[0] == sampled[1]  # the same seed draws the same tokens
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        api.completions.create(model="SmolLM2-135M-Instruct", prompt="text\n\n", max_tokens=2)
+
+
+# -- the HTTP layer alone, over an engine that fails midway ------------------------------------------------------
+class FailingEngine:
+    """Emits one piece of text, then the error a failing generation reports (what Engine._run emits)."""
+
+    def __init__(self, tokenizer):
+        from kvcompress.serve.metrics import ServerMetrics
+
+        self.tokenizer, self.metrics, self.store = tokenizer, ServerMetrics(), ContextStore(0)
+        self.max_length, self.press_label = 8192, "test"
+
+    def submit(self, job) -> None:
+        job.emit("text", "Hello")
+        job.emit("error", "generation failed: RuntimeError: boom")
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event(embedded_dir):
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from kvcompress.serve.app import create_app
+
+    app = create_app(FailingEngine(AutoTokenizer.from_pretrained(embedded_dir)), "m")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with TestClient(app) as http:
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and '"content": "Hello"' in lines[1]
+        assert json.loads(lines[-2][6:])["error"]["message"] == "generation failed: RuntimeError: boom"
+        assert lines[-1] == "data: [DONE]"
+        r = http.post("/v1/chat/completions", json=body)  # not streamed: the error JSON with its status
+        assert r.status_code == 500 and r.json()["error"]["message"].startswith("generation failed")
+        assert "Traceback" not in r.text
+
+
+@pytest.mark.slow
+def test_readme_openai_example_runs_against_the_server(server, tmp_path):
+    block = re.search(r"```python\n(from openai import OpenAI.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    (tmp_path / "report.txt").write_text(contexts(1)[0])
+    script = block.replace("http://127.0.0.1:8000", server).replace('api_key="EMPTY"', f'api_key="{API_KEY}"')
+    (tmp_path / "example.py").write_text(script)
+    result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "completion_tokens=" in result.stdout and len(result.stdout) > 60
+
+
+@pytest.mark.slow
+def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(pipe):
+    """In process: answers never change the stored compressed cache; a press that cannot compress a short context
+    (kvpress's SnapKV asserts the context is longer than its window) leaves it uncompressed instead of failing."""
+    from kvcompress.registry import make_press
+    from kvcompress.serve.engine import Engine, Job
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.protocol import Message, chat_split
+
+    model, tokenizer = pipe.model, pipe.tokenizer
+    engine = Engine(model, tokenizer, model_name="m", press=make_press("compresskv", 0.75, 0), press_label="c",
+                    store=ContextStore(10**9), metrics=ServerMetrics())
+    try:
+        parts = [{"type": "text", "text": contexts(1)[0]}, {"type": "text", "text": QUESTIONS[0]}]
+        context_ids, question_ids = chat_split(tokenizer, [Message(role="user", content=parts)])
+        stored = engine.context_cache(context_ids)
+        assert isinstance(stored.layers[0], WeightedLayer)
+        before = [(x, x.keys.clone(), x.values.clone(), x.row_weights.clone()) for x in stored.layers]
+        with torch.inference_mode():  # what the worker thread runs under
+            for temperature in (0.0, 1.0):
+                engine._serve(Job(context_ids, question_ids, max_tokens=5, temperature=temperature, seed=1))
+        assert engine.context_cache(context_ids) is stored
+        for layer, (obj, k, v, w) in zip(stored.layers, before, strict=True):
+            assert layer is obj and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            assert torch.equal(layer.row_weights, w)
+
+        snap = Engine(model, tokenizer, model_name="m", press=make_press("snapkv", 0.75, 0), press_label="s",
+                      store=ContextStore(10**9), metrics=ServerMetrics())
+        try:
+            short = tokenizer.encode("A short context.")
+            cache = snap.context_cache(short)
+            assert cache.get_seq_length() == len(short) and snap.metrics.uncompressed._value.get() == 1
+        finally:
+            snap.shutdown()
+    finally:
+        engine.shutdown()
