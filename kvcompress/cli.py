@@ -12,7 +12,7 @@ PROG = "kvcompress"
 # Adding a command is one line here; its module is imported only when it runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("kvcompress.longbench.cli:main", "LongBench-E evaluation of the presses (default: embedded offline run)"),
-    "serve": ("kvcompress.serve.cli:main", "OpenAI-compatible server keeping long contexts compressed (default: embedded)"),
+    "serve": ("kvcompress.serve.cli:main", "OpenAI-compatible server keeping contexts compressed (default: embedded)"),
 }
 
 

@@ -45,9 +45,15 @@ def test_eval_help_describes_the_default_run_and_every_flag(tmp_path):
         assert action.option_strings[-1] in text
 
 
+def test_serve_subcommand_reaches_the_server_cli(tmp_path):
+    result = run([sys.executable, "-m", "kvcompress", "serve", "--help"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--cache-memory" in result.stdout and "--api-key" in result.stdout and "--press-option" in result.stdout
+
+
 def test_bad_subcommand_or_flag_is_one_error_line(capsys):
     assert cli.main(["nope"]) == 2
-    assert capsys.readouterr().err == "error: unknown command 'nope'; choose from eval\n"
+    assert capsys.readouterr().err == "error: unknown command 'nope'; choose from eval, serve\n"
     assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err
     argv = list(sys.argv)
     assert cli.main(["eval", "--ratio", "0"]) == 2
