@@ -15,20 +15,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvcompress.cache import WeightedLayer
+from kvcompress.cache import WeightedLayer, cache_bytes
 
 StoreKey = tuple[tuple[int, ...], str, str]  # (context token ids, model name, press settings)
-
-
-def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of every tensor the cache holds (keys, values and a compressed layer's weights and value range)."""
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "row_weights", "value_min", "value_max"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def full_cache_bytes(cache: DynamicCache, tokens: int) -> int:
