@@ -23,9 +23,9 @@ from kvcompress.models import load_model
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--press", default="exact", help="a press spec of kvcompress.fidelity, 'exact', or 'none'")
-    parser.add_argument("--kept", type=float, default=0.25)
-    parser.add_argument("--tokens", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kept", type=float, default=0.25, help="kept fraction of the context (default 0.25)")
+    parser.add_argument("--tokens", type=int, default=2000, help="context tokens, prose (default 2000)")
+    parser.add_argument("--repeats", type=int, default=3, help="prefills in one process (default 3)")
     args = parser.parse_args(argv)
     spec = None if args.press == "none" else parse_spec(args.press)
     model, tokenizer = load_model()
