@@ -105,11 +105,9 @@ class WeightedLayer(DynamicLayer):
         which later tokens are padding (causality among the new rows is applied separately)."""
         later = rows - self.context_rows
         tail = None
-        if attention_mask is not None and later > 0:
+        if attention_mask is not None and later > 0:  # no .all() test: it would sync the device every layer
             last = attention_mask[:, 0, -1, -later:]
             tail = last if last.dtype == torch.bool else last == 0
-            if bool(tail.all()):
-                tail = None
         if self.row_valid is None and tail is None:
             return None
         context = self.row_valid
