@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress.models import load_model
+from kvcompress.padding import pad_rows
 from kvcompress.registry import make_press
 
 
@@ -33,19 +34,10 @@ def contexts_and_question(tokenizer, count: int, length: int) -> tuple[list[torc
     return [ids[:, s : s + n] for s, n in zip(starts, sizes, strict=True)], question
 
 
-def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(row.shape[1] for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, width - row.shape[1] :], mask[b, width - row.shape[1] :] = row[0], 1
-    return ids, mask
-
-
 @torch.no_grad()
 def answer_batch(model, press, contexts: list[torch.Tensor], question: torch.Tensor, new_tokens: int, pad_id: int):
     """Compress the padded contexts under ``press``, then generate; returns the generated ids ``[b, new_tokens]``."""
-    ids, mask = left_pad(contexts, pad_id)
+    ids, mask = pad_rows(contexts, "left", pad_id)
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     if press is None:

@@ -13,8 +13,9 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 
-def real_tokens(attention_mask: object, batch: int, n: int, device: torch.device) -> torch.Tensor | None:
-    """``[batch, n]`` bool, True on the real tokens of a prefill of ``n`` tokens; None when no row is padded.
+def real_token_rows(attention_mask: object, batch: int, n: int, device: torch.device) -> list[torch.Tensor] | None:
+    """Per batch row, the positions ``[n_b]`` (int64) of its real tokens in a prefill of ``n`` tokens; None when
+    no row is padded.
 
     ``attention_mask``: the 2D padding mask the model was called with (``[batch, >= n]``, 1 = real, its last
     ``n`` columns are this prefill's tokens), or None."""
@@ -35,7 +36,21 @@ def real_tokens(attention_mask: object, batch: int, n: int, device: torch.device
     empty = (~real.any(-1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"attention_mask: batch rows {empty} have no real token (all padding)")
-    return real
+    return [row.nonzero().squeeze(1) for row in real]
+
+
+def pad_rows(rows: list[torch.Tensor], side: str = "left", pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [b, width], attention_mask [b, width])`` of token rows ``[1, n_i]`` padded on ``side``
+    (``"left"``, as ``generate`` pads, or ``"right"``) to the longest, ``pad_id`` in the pads."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side: must be 'left' or 'right', got {side!r}")
+    width = max(row.shape[1] for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        span = slice(width - row.shape[1], width) if side == "left" else slice(0, row.shape[1])
+        ids[b, span], mask[b, span] = row[0], 1
+    return ids, mask
 
 
 def row_kwargs(kwargs: dict, row: int, index: torch.Tensor) -> dict:

@@ -40,7 +40,7 @@ from transformers.utils import logging as hf_logging
 from kvcompress._checks import check_finite, check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.hf_attention import use_weighted_attention
-from kvcompress.padding import real_tokens, row_kwargs, row_view_cache, stack_rows
+from kvcompress.padding import real_token_rows, row_kwargs, row_view_cache, stack_rows
 from kvcompress.reference import LayerReference, record_repeat, repeat_context, restore_layer, snapshot_layers
 
 logger = hf_logging.get_logger(__name__)
@@ -220,25 +220,22 @@ class WeightedSubsetPress(BasePress):
         check_cache(cache)
         layer = cache.layers[module.layer_idx]
         batch, _, n, _ = layer.keys.shape
-        real = real_tokens(self._attention_mask, batch, n, layer.keys.device)
-        if real is None:
-            plans = [self.plan(n)] * batch
-        else:
-            plans = [self.plan(int(row.sum())) for row in real]
+        rows = real_token_rows(self._attention_mask, batch, n, layer.keys.device)
+        plans = [self.plan(n)] * batch if rows is None else [self.plan(len(index)) for index in rows]
         if all(plan is None for plan in plans):
             if self.budget(n) < 1:
                 logger.warning_once(f"{type(self).__name__}: a {n}-token context keeps 0 rows; left uncompressed")
             return output
         for name, x in (("keys", layer.keys), ("values", layer.values)):
             check_finite(f"layer {module.layer_idx} {name}", x)
-        if real is None:
+        if rows is None:
             references = [self.record_reference(module, kwargs, layer.keys)]
         else:
             references = [
                 self.record_reference(module, row_kwargs(kwargs, b, index), layer.keys[b : b + 1, :, index])
-                for b, index in enumerate(row.nonzero().squeeze(1) for row in real)
+                for b, index in enumerate(rows)
             ]
-        state = dict(module=module, references=references, plans=plans, real=real, tokens=n)
+        state = dict(module=module, references=references, plans=plans, rows=rows, tokens=n)
         if "repeat" in self.reference_sources():
             self._pending[module.layer_idx] = state
         else:
@@ -257,8 +254,7 @@ class WeightedSubsetPress(BasePress):
                 f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
                 "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
             )
-        real = next(iter(pending.values()))["real"]
-        rows = [None] if real is None else [row.nonzero().squeeze(1) for row in real]
+        rows = next(iter(pending.values()))["rows"] or [None]
         for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
             row_cache = cache if index is None else row_view_cache(cache, b, index)
             row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]
@@ -291,27 +287,27 @@ class WeightedSubsetPress(BasePress):
         )
 
     def _compress_layer(self, cache, state: dict) -> None:
-        module, real, plans = state["module"], state["real"], state["plans"]
+        module, rows, plans = state["module"], state["rows"], state["plans"]
         layer = cache.layers[module.layer_idx]
         keys, values = layer.keys, layer.values
-        if real is None:
+        if rows is None:
             compressed_keys, compressed_values, weights = self._compress_rows(
                 module, keys, values, plans[0], state["references"][0]
             )
             value_min, value_max, valid = values.amin(2).float(), values.amax(2).float(), None
         else:
-            parts = []
-            for b, (row, plan) in enumerate(zip(real, plans, strict=True)):
-                index = row.nonzero().squeeze(1)
+            parts, lows, highs = [], [], []
+            for b, (index, plan) in enumerate(zip(rows, plans, strict=True)):
                 row_keys, row_values = keys[b : b + 1, :, index], values[b : b + 1, :, index]
+                lows.append(row_values.amin(2))
+                highs.append(row_values.amax(2))
                 if plan is None:  # this row removes nothing (or can keep no row): all its real tokens stay
                     ones = torch.ones(1, keys.shape[1], len(index), device=keys.device)
                     parts.append((row_keys, row_values, ones))
                 else:
                     parts.append(self._compress_rows(module, row_keys, row_values, plan, state["references"][b]))
             compressed_keys, compressed_values, weights, valid = stack_rows(parts)
-            value_min = torch.cat([values[b : b + 1, :, row].amin(2) for b, row in enumerate(real)]).float()
-            value_max = torch.cat([values[b : b + 1, :, row].amax(2) for b, row in enumerate(real)]).float()
+            value_min, value_max = torch.cat(lows).float(), torch.cat(highs).float()
         compressed = WeightedLayer(
             keys=compressed_keys,
             values=compressed_values,

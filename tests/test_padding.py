@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from kvcompress import CompressKVPress, UniformPress
 from kvcompress.cache import WeightedLayer, cache_bytes
+from kvcompress.padding import pad_rows
 from tests.tiny_models import tiny_model
 
 LENGTHS = (300, 40, 170)  # 40 < the 68 protected tokens of the default press
@@ -26,17 +27,6 @@ PRESSES = {
 
 def random_ids(n: int, seed: int, vocab: int = 256) -> torch.Tensor:
     return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def pad_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` of rows ``[1, n_i]`` padded on ``side`` to the longest."""
-    width = max(row.shape[1] for row in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, row in enumerate(rows):
-        span = slice(width - row.shape[1], width) if side == "left" else slice(0, row.shape[1])
-        ids[b, span], mask[b, span] = row[0], 1
-    return ids, mask
 
 
 @torch.no_grad()
@@ -73,7 +63,7 @@ def alone_and_batched(model, make_press, side: str, lengths=LENGTHS):
     for context in contexts:
         cache = prefill(model, make_press(), context)
         alone.append((answer(model, cache, context, None, question), cache))
-    ids, mask = pad_batch(contexts, side)
+    ids, mask = pad_rows(contexts, side)
     cache = prefill(model, make_press(), ids, mask)
     batched = answer(model, cache, ids, mask, question.expand(len(contexts), -1))
     return alone, batched, cache
@@ -101,7 +91,7 @@ def test_each_padded_row_matches_the_row_alone(family, name, side):
 def test_filler_rows_are_masked_zero_weight_and_counted():
     model = tiny_model("llama")
     contexts = [random_ids(n, seed=n) for n in LENGTHS]
-    ids, mask = pad_batch(contexts, "left")
+    ids, mask = pad_rows(contexts, "left")
     cache = prefill(model, CompressKVPress(compression_ratio=0.75, reference=("window",), seed=0), ids, mask)
     budgets = [int(n * 0.25) for n in LENGTHS]
     for layer in cache.layers:
@@ -157,7 +147,7 @@ def test_triton_decode_kernel_on_a_padded_batch_equals_the_reference(side, monke
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
     model = tiny_model("llama")
     contexts = [random_ids(n, seed=n) for n in LENGTHS]
-    ids, mask = pad_batch(contexts, side)
+    ids, mask = pad_rows(contexts, side)
     question = random_ids(QUESTION, seed=99).expand(len(contexts), -1)
     make = PRESSES["window-fit"]
     reference = answer(model, prefill(model, make(), ids, mask), ids, mask, question)
@@ -190,7 +180,7 @@ def test_embedded_model_left_padded_generate_matches_each_row_alone(embedded_dir
     for context in contexts:
         cache = prefill(model, PRESSES["default"](), context)
         alone.append(answer(model, cache, context, None, question)[0])
-    ids, mask = pad_batch(contexts, "left")
+    ids, mask = pad_rows(contexts, "left")
     cache = prefill(model, PRESSES["default"](), ids, mask)
     tokens, _ = answer(model, cache, ids, mask, question.expand(3, -1))
     for b, row_tokens in enumerate(alone):
