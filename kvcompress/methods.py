@@ -72,20 +72,29 @@ def compress_by_rpnys(
     seed: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The paper's Alg. 2 on the middle rows ``[b, h_kv, L, d]``: ``rows // bin_rank`` bins of equal pivot counts
-    (one bin of ``rows`` pivots when ``rows < bin_rank``). The ``rows % bins`` rows the bins cannot take are the
-    last middle rows, kept exactly (``w = 1``), so exactly ``rows`` rows come back."""
+    (one bin of ``rows`` pivots when ``rows < bin_rank``); ``query_radius``: None or ``[b, h_kv]``. The
+    ``rows % bins`` rows the bins cannot take are the last middle rows, kept exactly (``w = 1``), so exactly
+    ``rows`` rows come back."""
     bins = max(1, rows // bin_rank)
     exact = rows - bins * (rows // bins)
     length = middle_keys.shape[-2] - exact
-    keys, values, weights = compress_kv(
-        middle_keys[:, :, :length],
-        middle_values[:, :, :length],
-        bins * (rows // bins),
-        bins=bins,
-        scaling=module.scaling,
-        query_radius=query_radius,
-        seed=seed,
-    )
+    if seed is None:  # one draw per call, shared by the rows
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    # One compress_kv call per batch row: its draws are streams (KV head, bin) of the layer's seed, so a row's
+    # coreset is the one it gets alone, whatever its place in the batch.
+    parts = [
+        compress_kv(
+            middle_keys[b : b + 1, :, :length],
+            middle_values[b : b + 1, :, :length],
+            bins * (rows // bins),
+            bins=bins,
+            scaling=module.scaling,
+            query_radius=query_radius if query_radius is None else query_radius[b : b + 1],
+            seed=seed,
+        )
+        for b in range(middle_keys.shape[0])
+    ]
+    keys, values, weights = (torch.cat(x) for x in zip(*parts, strict=True))
     if not exact:
         return keys, values, weights
     ones = weights.new_ones(*weights.shape[:2], exact)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvcompress import rng
 from kvcompress._checks import check_int_range
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
 from kvcompress.reference import SOURCES, LayerReference, prefill_query_radius, record_prefill
@@ -137,7 +138,8 @@ class CompressKVPress(WeightedSubsetPress):
 
 @dataclass
 class UniformPress(WeightedSubsetPress):
-    """A uniformly random subset of the middle, kept in position order (per batch row and KV head).
+    """A uniformly random subset of the middle, kept in position order (per batch row and KV head; the draws
+    depend on the seed, layer, KV head and position only, so a batch row keeps what it keeps alone).
 
     ``weighted=True`` turns the subset into the unbiased Monte-Carlo estimate of the middle's softmax
     sums: each kept row stands for ``L / kept`` middle rows, so both its weight and its value are
@@ -150,10 +152,12 @@ class UniformPress(WeightedSubsetPress):
     def compress_middle(self, module, keys, values, start, end, rows, reference):
         keys, values = keys[:, :, start:end], values[:, :, start:end]
         batch, heads, length, _ = keys.shape
-        generator = None
-        if self.seed is not None:
-            generator = torch.Generator(device=keys.device).manual_seed(self.layer_seed(module.layer_idx))
-        scores = torch.rand(batch, heads, length, generator=generator, device=keys.device)
+        seed = self.layer_seed(module.layer_idx)
+        if seed is None:  # one draw per call, shared by the rows
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        # Counter-based draws of (seed, layer, KV head, position): a row's subset does not depend on its batch place.
+        streams = torch.arange(heads, device=keys.device, dtype=torch.int64).expand(batch, heads)
+        scores = rng.gumbel(rng.stream_step_key(rng.seed_key(seed), streams, 0), length, torch.float64)
         index = scores.topk(rows, dim=-1).indices.sort(-1).values  # uniform subset, in position order
         kept_keys = keys.gather(2, index[..., None].expand(-1, -1, -1, keys.shape[-1]))
         kept_values = values.gather(2, index[..., None].expand(-1, -1, -1, values.shape[-1]))

@@ -118,9 +118,11 @@ class WeightedSubsetPress(BasePress):
             check_int_range("seed", self.seed, -(2**63))
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
-        if not self._entered:  # a wrapper press (ComposedPress, PrefillDecodingPress, ...) drives this press
-            caller = sys._getframe(1).f_locals.get("self")
-            wrapper = type(caller).__name__ if isinstance(caller, BasePress) and caller is not self else "a wrapper"
+        # Called by another press (a wrapper: ComposedPress, PrefillDecodingPress, ...) outside our own `with`:
+        # refused. A direct call (kvpress's idiom: post_init_from_model(model), then `with press(model)`) is not.
+        caller = sys._getframe(1).f_locals.get("self")
+        if not self._entered and isinstance(caller, BasePress) and caller is not self:
+            wrapper = type(caller).__name__
             raise ValueError(
                 f"press: {type(self).__name__} cannot run inside {wrapper}: it stores per-row weights with the cache, "
                 "and a press that evicts rows after it would misalign them. Use it on its own: "

@@ -311,10 +311,49 @@ def test_float32_overflow_falls_back_to_float64_selection():
     radius = float(keys.norm(dim=-1).max())
     k_s, v_s, w = compress_kv(keys, values, 16, query_radius=radius, seed=0)
     assert k_s.dtype == v_s.dtype == w.dtype == torch.float32
+    assert torch.isfinite(v_s).all() and torch.isfinite(w).all()
     k_ref, v_ref, w_ref = compress_kv(keys.double(), values.double(), 16, query_radius=radius, seed=0)
     torch.testing.assert_close(k_s.double(), k_ref)  # same pivots as an all-float64 run
-    # Same weights up to the float32 recentring, which this deliberately extreme (near-singular) kernel
-    # amplifies to ~1e-2 on one row; everything else agrees to 1e-5.
-    torch.testing.assert_close(v_s.double(), v_ref, rtol=5e-2, atol=1e-2)
-    torch.testing.assert_close(w.double(), w_ref, rtol=5e-2, atol=1e-2)
-    assert ((w.double() - w_ref).abs() > 1e-5).sum() <= 1
+
+    # Why the weights may differ, and by how much (a tolerance from the math, not one machine's rounding):
+    # (1) the fallback selects in float64 from keys recentred (and R_K measured) in float32; (2) the weights
+    # W_h = h(K_S, K_S)^-1 h(K_S, K) of this near-singular kernel amplify float64 rounding itself; (3) the
+    # outputs are rounded to float32. The float64 run's own W_h, same draws (2D input, one bin: stream 0):
+    n, d = keys.shape
+    rank, u32, u64 = 16, 2.0**-24, 2.0**-53
+    x = keys.double() - keys.double().mean(0)
+    beta, key_radius = torch.tensor(d**-0.5, dtype=torch.float64), x.norm(dim=-1).max()
+    q_radius, count = torch.tensor(radius, dtype=torch.float64), torch.tensor(float(n), dtype=torch.float64)
+    a = kernel_coefficient(beta, q_radius, key_radius, count)
+    steps = torch.stack([rng.stream_step_key(rng.seed_key(0), torch.tensor(0), i) for i in range(rank)])
+    ref = rpnys(x, rank, a, steps)
+    pivots = ref.pivots
+    torch.testing.assert_close(keys.double()[pivots], k_ref)
+    # (1) Each key moves by |dx| <= sqrt(d) (log2 n + 2) u32 max|k| (the mean's pairwise sum, the subtraction),
+    # so y = sqrt(a) x by |dy| <= sqrt(a) |dx|; R_K (a float32 norm) by dR <= |dx| + sqrt(d) u32 R_K, which
+    # moves a relatively by rho = |dlog a / dlog R_K| dR / R_K. W_h[s, l] = W_G[s, l] exp((|y_l|^2 - |y_s|^2) / 2)
+    # with W_G = G_SS^-1 G_Sb, G = exp(-|y_i - y_j|^2 / 2): the exponent moves by <= 2 Y |dy| + Y^2 rho / 2
+    # (Y = max |y|), the entries of G relatively by <= 4 Y |dy| + 2 Y^2 rho, amplified by cond(G_SS) at most.
+    # So every W_h[s, l] moves relatively by <= eps (first order), except W_h[s, s] = 1 (Nystrom interpolates).
+    dx = math.sqrt(d) * (math.log2(n) + 2) * u32 * keys.abs().max().item()
+    y = x * a.sqrt()
+    dy, big_y = math.sqrt(a.item()) * dx, y.norm(dim=-1).max().item()
+    slope = (kernel_coefficient(beta, q_radius, key_radius * (1 + 1e-6), count) / a).log().abs().item() / 1e-6
+    rho = slope * (dx + math.sqrt(d) * u32 * key_radius.item()) / key_radius.item()
+    gram = torch.exp(-torch.cdist(y[pivots], y[pivots]) ** 2 / 2)
+    eps = 2 * big_y * dy + big_y**2 * rho / 2 + torch.linalg.cond(gram).item() * (4 * big_y * dy + 2 * big_y**2 * rho)
+    eps *= 1 + eps  # the second-order remainder
+    moved = ref.weights.abs()
+    moved[torch.arange(rank), pivots] = 0
+    # (2) Each run builds M = G_SS^-1 by `rank` rank-one updates of length-`rank` dot products and takes M G_Sb:
+    # absolute errors <= gamma (|M| |G_Sb|)[s, l] with gamma = 2 (rank^2 + rank) u64 (with the divisions by the
+    # residual), then scaled by exp((|y_l|^2 - |y_s|^2) / 2): huge here, which is what makes this kernel extreme.
+    sq = (y * y).sum(-1)
+    paths = torch.linalg.inv(gram).abs() @ torch.exp(-torch.cdist(y[pivots], y) ** 2 / 2)
+    amplified = 2 * 2 * (rank**2 + rank) * u64 * torch.exp(paths.log() + (sq[None, :] - sq[pivots, None]) / 2)
+    # (3) float32 outputs: u32 relative. w_s = sum_l W_h[s, l] and V_S[s] = sum_l W_h[s, l] v_l then move by:
+    tol_w = u32 * w_ref.abs() + eps * moved.sum(-1) + amplified.sum(-1)
+    tol_v = u32 * v_ref.abs() + (eps * moved + amplified) @ values.double().abs()
+    assert tol_w.max() < 0.05 and eps < 0.1  # the check has teeth: a lost factor or a wrong row is an O(1) error
+    assert ((w.double() - w_ref).abs() <= tol_w).all(), ((w.double() - w_ref).abs(), tol_w)
+    assert ((v_s.double() - v_ref).abs() <= tol_v).all(), ((v_s.double() - v_ref).abs().amax(-1), tol_v.amax(-1))
