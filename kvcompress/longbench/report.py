@@ -132,7 +132,8 @@ def plot(path: Path, cfg: Config, plan: dict[str, list[Example]], results: dict[
 
 
 def write_tables(cfg: Config, plan: dict[str, list[Example]], out: Path) -> bool:
-    """scores.json, scores.csv, results.md (also printed) and scores.png; returns whether all is complete."""
+    """scores.json, scores.csv, results.md (also printed) and scores.png (skipped with a note without matplotlib);
+    returns whether all is complete."""
     results = collect(cfg, plan, out)
     complete = all(r["complete"] for r in results.values())
     payload = {
@@ -149,7 +150,10 @@ def write_tables(cfg: Config, plan: dict[str, list[Example]], out: Path) -> bool
     write_csv(out / "scores.csv", plan, results)
     text = markdown(cfg, plan, results)
     (out / "results.md").write_text(text, encoding="utf-8")
-    plot(out / "scores.png", cfg, plan, results)
     print(text, flush=True)
+    try:  # the tables above are written and printed whatever happens to the plot
+        plot(out / "scores.png", cfg, plan, results)
+    except ImportError as err:
+        log.warning(f"scores.png skipped: the plot needs {err.name or 'matplotlib'}: pip install 'kvcompress[eval]'")
     log.info(f"{'complete' if complete else 'PARTIAL'} results in {out}")
     return complete

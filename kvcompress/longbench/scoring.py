@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompress.longbench import metrics
-from kvcompress.longbench.config import Config
+from kvcompress.longbench.config import Config, UsageError
 from kvcompress.longbench.data import Example
 from kvcompress.longbench.predict import read_predictions
 from kvcompress.longbench.tasks import BUCKETS, OFFLINE_METRICS
@@ -15,6 +15,17 @@ from kvcompress.longbench.tasks import BUCKETS, OFFLINE_METRICS
 
 def _nan_to_none(value: Any) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def check_metric_packages(tasks: list[str]) -> None:
+    """UsageError naming what to install when a task's metric needs a package that is missing (checked before
+    any prediction, so no work is made that cannot be scored)."""
+    import importlib.util
+
+    rouge = [t for t in tasks if metrics.TASK_METRICS.get(t, OFFLINE_METRICS.get(t)) in ("rouge", "rouge_score")]
+    if rouge and importlib.util.find_spec("rouge") is None:
+        raise UsageError(f"--tasks: {rouge[0]} is scored with ROUGE-L, which needs the rouge package: "
+                         "pip install 'kvcompress[eval]'")  # fmt: skip
 
 
 def score_examples(task: str, examples: list[Example], predictions: list[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EPILOG = """example:
-  python -m kvcompress.serve --method compresskv --ratio 0.25 --cache-memory 2GiB --port 8000
+  kvcompress serve --method compresskv --ratio 0.25 --cache-memory 2GiB --port 8000
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"messages": [{"role": "system", "content": "<document>"}, {"role": "user", "content": "<question>"}]}'
 """
@@ -22,25 +22,41 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server that keeps each long context compressed and reuses it.",
     )
     p.add_argument("--model", help="local model directory or Hub name (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", help="the name clients send as 'model' (default: --model's name)")
+    p.add_argument(
+        "--served-model-name", help="the name clients send as 'model' (default: --model's directory or Hub name)"
+    )
     p.add_argument("--method", default="compresskv",
                    help="a press of the method registry, or exact (default compresskv)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
-                   help="one press field other than its default, e.g. window_size=128 (repeatable)")
+                   help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of randomised presses (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--device-map", choices=("auto",), help="spread the model over the GPUs (accelerate)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    p.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="default auto: cuda if torch sees a GPU"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="model weights and cache (default auto: bfloat16 on cuda, float32 on cpu)",
+    )
+    p.add_argument(
+        "--device-map", choices=("auto",), help="spread the model over the GPUs with accelerate (default: one device)"
+    )
     p.add_argument("--cache-memory", default="2GiB", help="budget of the resident compressed contexts (default 2GiB)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the model; more get 429 (default 64)")
     p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="server and uvicorn log level (default info)",
+    )
     return p
 
 
@@ -103,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype), device=device,
                                       device_map=args.device_map)
-    except (OSError, ValueError) as err:
-        print(f"kvcompress serve: error: --model: {str(err).splitlines()[0]}", file=sys.stderr)
+    except (OSError, ValueError, ImportError) as err:  # ImportError: a package the model needs (gguf, ...)
+        message = str(err).splitlines()[0].removeprefix("model: ")
+        print(f"kvcompress serve: error: --model: {message}", file=sys.stderr)
         return 2
     served = args.served_model_name or (EMBEDDED_MODEL if args.model is None else Path(args.model.rstrip("/")).name
                                         if Path(args.model).exists() else args.model)
