@@ -74,7 +74,7 @@ def test_readme_python_blocks_run_from_a_temporary_directory(tmp_path):
     (installed / "kvcompress").symlink_to(REPO / "kvcompress")
     env = {**os.environ, "PYTHONPATH": str(installed)}
     result = subprocess.run(
-        [sys.executable, "readme.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "readme.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
