@@ -88,6 +88,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog, description=DESCRIPTION, epilog=_default_run(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", type=Path, help="YAML with Config's keys, e.g. configs/longbench_e_qwen2.5_7b.yaml")
+    p.add_argument(
+        "--benchmark",
+        choices=("longbench", "ruler"),
+        help="longbench (default) or ruler: RULER-style synthetic tasks generated offline (kvcompress.ruler)",
+    )
+    p.add_argument("--length", type=int, help="ruler: context length in tokens of the model's tokenizer (default 4096)")
     p.add_argument("--model", help="local dir or Hub id; bare Qwen names resolve to Qwen/ (default: embedded SmolLM2)")
     p.add_argument("--methods", nargs="+", help=f"from {list(METHODS)} (default {DEFAULT_METHODS})")
     p.add_argument("--ratio", type=float, help="KEPT fraction of the cache, in (0, 1] (default 0.25)")
@@ -146,13 +152,14 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         raise UsageError(f"--config: {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     except (TypeError, ValueError, OSError) as err:
         raise UsageError(str(err) if str(err).startswith("--config") else f"--config: {err}") from None
+    if path is None and args.get("benchmark") == "ruler":  # the offline suite's tasks and example count do not apply
+        values = {k: v for k, v in values.items() if k not in ("tasks", "limit")}
     values.update({k: v for k, v in args.items() if v is not None})
     options = values.get("press_options") or {}
     if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
         raise UsageError(f"--config: press_options must map a method to {{field: value}}, got {options!r}")
     values["press_options"] = {m: {**options.get(m, {}), **flag_options.get(m, {})} for m in {*options, *flag_options}}
     return validate(Config(**values))
-
 
 
 def _check_run_dir(out: Path, cfg: Config) -> None:
@@ -256,4 +263,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before any prediction (data or model loading)
         print("interrupted", file=sys.stderr, flush=True)
         return 130
-
