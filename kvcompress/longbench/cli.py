@@ -162,6 +162,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return validate(Config(**values))
 
 
+
 def _check_run_dir(out: Path, cfg: Config) -> None:
     path = out / "run.json"
     if not path.exists():
@@ -263,3 +264,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before any prediction (data or model loading)
         print("interrupted", file=sys.stderr, flush=True)
         return 130
+

@@ -74,6 +74,7 @@ class Config:
     press_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # method -> press field -> value
 
 
+
 def one_line(err: BaseException, limit: int = 300) -> str:
     """An exception's message on one line (whitespace collapsed, cut at ``limit`` characters)."""
     text = " ".join(str(err).split()) or type(err).__name__
@@ -245,3 +246,4 @@ def prediction_settings(cfg: Config) -> dict[str, Any]:
         "max_new_tokens": cfg.max_new_tokens,
         "press_options": changed_press_options(cfg),
     }
+

@@ -229,3 +229,5 @@ def merge_shards(cfg: Config, plan: dict[str, list[Example]], out: Path) -> None
             staging.replace(target)
             for shard in shards:
                 shard.unlink()
+
+
