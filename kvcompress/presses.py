@@ -18,6 +18,7 @@ from kvcompress.reference import SOURCES, LayerReference, prefill_query_radius, 
 from kvcompress.weighted_press import WeightedSubsetPress, check_choice, check_number
 
 SELECTIONS = ("attention", "hybrid", "rpnys")
+SCORE_POOLINGS = ("sum", "max")
 FITS = ("none", "weights", "values")
 
 
@@ -33,7 +34,10 @@ class CompressKVPress(WeightedSubsetPress):
     (``repeat_weight`` for ``"repeat"``); window scores are average-pooled over ``pool_kernel`` keys.
     ``fit`` (``"attention"`` selection only): ``"values"`` fits each kept row's mass ``w`` and value
     ``V_S`` to the reference queries (:mod:`kvcompress.fitting`), ``"weights"`` only ``w`` (``V_S = w v``),
-    ``"none"`` keeps ``w = 1``. ``CompressKVPress.paper()`` is the paper's configuration.
+    ``"none"`` keeps ``w = 1``. ``score_pooling``: a key's score from one source is the softmax attention its
+    queries give it, ``"sum"`` summed over the queries and the GQA group (normalised mass), ``"max"`` the largest
+    of them (KVzip's score: a key needed by one query counts fully). ``CompressKVPress.paper()`` is the paper's
+    configuration, ``CompressKVPress.kvzip()`` KVzip's scoring.
     """
 
     sink_size: int = 4
@@ -51,6 +55,7 @@ class CompressKVPress(WeightedSubsetPress):
     hybrid_fraction: float = 0.5
     bin_rank: int = 12
     query_radius: str = "keys"
+    score_pooling: str = "sum"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +85,7 @@ class CompressKVPress(WeightedSubsetPress):
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be an odd int >= 1, got {self.pool_kernel!r}")
         check_choice("query_radius", self.query_radius, ("keys", "queries"))
+        check_choice("score_pooling", self.score_pooling, SCORE_POOLINGS)
 
     @classmethod
     def paper(cls, compression_ratio: float = 0.0, seed: int | None = None, **overrides: Any) -> CompressKVPress:
@@ -89,6 +95,15 @@ class CompressKVPress(WeightedSubsetPress):
         settings = dict(
             sink_size=32, window_size=32, selection="rpnys", reference=(), fit="none", bin_rank=12, query_radius="keys"
         )
+        return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
+
+    @classmethod
+    def kvzip(cls, compression_ratio: float = 0.0, seed: int | None = None, **overrides: Any) -> CompressKVPress:
+        """KVzip's scoring (Kim et al., arXiv 2505.23416) in this press: each key scored by the MAX softmax attention
+        the repeat pass's queries give it (per KV head, over the GQA group and the query positions), the top keys kept
+        exactly, 4 sink tokens, no recent window, no fit. Unlike KVzip the repeat pass re-reads the context without
+        its reconstruction prompt, and the softmax runs over the context keys only."""
+        settings = dict(sink_size=4, window_size=0, reference=("repeat",), score_pooling="max", fit="none")
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
     def reference_sources(self) -> tuple[str, ...]:
@@ -101,7 +116,9 @@ class CompressKVPress(WeightedSubsetPress):
         if self.selection == "rpnys":
             radius = prefill_query_radius(module, kwargs) if self.query_radius == "queries" else None
             return LayerReference(query_radius=radius)
-        return record_prefill(module, kwargs, keys, self.reference, self.observation_window, self.fit_queries)
+        return record_prefill(
+            module, kwargs, keys, self.reference, self.observation_window, self.fit_queries, self.score_pooling
+        )
 
     def compress_middle(self, module, keys, values, start, end, rows, reference):
         if self.selection == "rpnys":

@@ -45,15 +45,21 @@ class LayerReference:
     queries: ``[b, h_q, m_i, d]`` samples for the fit; positions: their ``[m_i]`` int64 positions
     (context length - 1 for queries after the context: they see every context key).
     query_radius: ``[b, h_kv]`` max post-RoPE prefill query norm per KV head group (RPNys's R_Q), if asked.
+    reduce: how a source's queries pool into a key's mass (``"sum"`` or ``"max"``, see
+    :func:`kvcompress.selection.attention_mass`); later parts of a source (repeat chunks) are combined the same way.
     """
 
     mass: dict[str, torch.Tensor] = field(default_factory=dict)
     queries: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
     query_radius: torch.Tensor | None = None
+    reduce: str = "sum"
 
     def add(self, source: str, mass: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor) -> None:
-        self.mass[source] = self.mass[source] + mass if source in self.mass else mass
+        if source in self.mass:
+            combine = torch.maximum if self.reduce == "max" else torch.add
+            mass = combine(self.mass[source], mass)
+        self.mass[source] = mass
         self.queries.append(queries)
         self.positions.append(positions)
 
@@ -69,9 +75,11 @@ def record_prefill(
     sources: tuple[str, ...],
     observation_window: int,
     samples: int,
+    reduce: str = "sum",
 ) -> LayerReference:
-    """The ``"window"`` and ``"prefill"`` sources of one layer from its prefill call (hook ``kwargs``)."""
-    reference = LayerReference()
+    """The ``"window"`` and ``"prefill"`` sources of one layer from its prefill call (hook ``kwargs``); ``reduce``
+    pools each source's queries (:func:`kvcompress.selection.attention_mass`) and is kept for the repeat pass."""
+    reference = LayerReference(reduce=reduce)
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
     n = keys.shape[-2]
     picks = {}
@@ -81,7 +89,8 @@ def record_prefill(
         picks["prefill"] = even_sample(n, samples, keys.device)
     for source, index in picks.items():
         queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
-        reference.add(source, attention_mass(queries, keys, module.scaling, query_positions=index), queries, index)
+        mass = attention_mass(queries, keys, module.scaling, query_positions=index, reduce=reduce)
+        reference.add(source, mass, queries, index)
     return reference
 
 
@@ -102,7 +111,7 @@ def record_repeat(
     """
     hidden = kwargs["hidden_states"]
     queries = post_rope_queries(module, hidden, kwargs["position_embeddings"])
-    mass = attention_mass(queries, keys, module.scaling)
+    mass = attention_mass(queries, keys, module.scaling, reduce=reference.reduce)
     keep = even_sample(hidden.shape[1], max(1, round(samples * hidden.shape[1] / total)), keys.device)
     positions = torch.full((len(keep),), keys.shape[-2] - 1, dtype=torch.long, device=keys.device)
     reference.add("repeat", mass, queries[:, :, keep], positions)

@@ -25,6 +25,10 @@ def _ours(name: str) -> Callable[[float, int], Any]:
 
         if name == "compresskv_paper":
             return CompressKVPress.paper(compression_ratio=ratio, seed=seed)
+        if name == "compresskv_kvzip":
+            return CompressKVPress.kvzip(compression_ratio=ratio, seed=seed)
+        if name == "compresskv_window":
+            return CompressKVPress(compression_ratio=ratio, seed=seed, reference=("window",))
         cls = CompressKVPress if name == "compresskv" else UniformPress
         return cls(compression_ratio=ratio, seed=seed)
 
@@ -50,6 +54,8 @@ METHODS: dict[str, Method] = {
     "exact": Method("Exact", lambda ratio, seed: None),
     "compresskv": Method("CompressKV", _ours("compresskv")),
     "compresskv_paper": Method("CompressKV (paper)", _ours("compresskv_paper")),
+    "compresskv_window": Method("CompressKV (window only)", _ours("compresskv_window")),
+    "compresskv_kvzip": Method("KVzip", _ours("compresskv_kvzip")),  # KVzip's max scoring in CompressKVPress
     "uniform": Method("Uniform", _ours("uniform")),
     "snapkv": Method("SnapKV", _kvpress("SnapKVPress", window_size=64, kernel_size=5)),
     "streamingllm": Method("StreamingLLM", _kvpress("StreamingLLMPress", n_sink=4)),
@@ -60,7 +66,7 @@ METHODS: dict[str, Method] = {
     "compactor": Method("Compactor", _kvpress("CompactorPress")),
     "knorm": Method("Knorm", _kvpress("KnormPress")),
     "adakv": Method("AdaKV", _adakv),
-    "kvzip": Method("KVzip", _kvpress("KVzipPress")),
+    "kvzip": Method("KVzip (kvpress, masks only)", _kvpress("KVzipPress")),
 }
 
 

@@ -22,15 +22,21 @@ def attention_mass(
     keys: torch.Tensor,
     scaling: float,
     query_positions: torch.Tensor | None = None,
+    *,
+    reduce: str = "sum",
 ) -> torch.Tensor:
-    """Softmax attention of every query over ``keys``, summed over queries and their GQA group.
+    """Softmax attention of every query over ``keys``, summed (or maxed) over queries and their GQA group.
 
     queries ``[b, h_q, m, d]`` (post-RoPE), keys ``[b, h_kv, n, d]``, ``h_q`` a multiple of ``h_kv``.
     ``query_positions``: optional ``[m]`` int64 positions of the queries among the keys; query i then
     sees key j only if ``j <= query_positions[i]`` (queries from inside the context); None: every key.
-    Softmax in float32 over the n keys. Returns ``[b, h_kv, n]`` float32; each query contributes 1 in
-    total, so the result sums to ``m * h_q / h_kv`` per KV head. Works in query chunks to bound memory.
+    Softmax in float32 over the n keys. Returns ``[b, h_kv, n]`` float32. ``reduce="sum"``: each query
+    contributes 1 in total, so the result sums to ``m * h_q / h_kv`` per KV head; ``reduce="max"``: the largest
+    probability any query of the group gives the key (KVzip's score, Kim et al., arXiv 2505.23416). Works in
+    query chunks to bound memory.
     """
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce: must be 'sum' or 'max', got {reduce!r}")
     batch, heads_q, m, dim = queries.shape
     heads_kv, n = keys.shape[1], keys.shape[2]
     group = heads_q // heads_kv
@@ -41,7 +47,11 @@ def attention_mass(
         chunk = grouped[:, :, :, start : start + step]
         logits = torch.einsum("bhgmd,bhnd->bhgmn", chunk.float(), keys.float()) * scaling
         positions = None if query_positions is None else query_positions[start : start + step]
-        total += causal_softmax(logits, positions).sum(dim=(2, 3))
+        probs = causal_softmax(logits, positions)
+        if reduce == "sum":
+            total += probs.sum(dim=(2, 3))
+        else:
+            total = torch.maximum(total, probs.amax(dim=(2, 3)))
     return total
 
 

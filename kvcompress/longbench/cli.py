@@ -99,6 +99,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help=f"YAML with Config's keys, e.g. configs/longbench_e_qwen2.5_7b.yaml (default: none; without --model "
         f"the package's {OFFLINE_CONFIG.name})",
     )
+    p.add_argument(
+        "--benchmark",
+        choices=("longbench", "ruler"),
+        help="longbench (default) or ruler: RULER-style synthetic tasks generated offline (kvcompress.ruler)",
+    )
+    p.add_argument("--length", type=int, help="ruler: context length in tokens of the model's tokenizer (default 4096)")
     p.add_argument("--model", help="local dir or Hub id; bare Qwen names resolve to Qwen/ (default: embedded SmolLM2)")
     p.add_argument(
         "--methods",
@@ -191,6 +197,8 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         raise UsageError(f"--config: {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     except (TypeError, ValueError, OSError) as err:
         raise UsageError(str(err) if str(err).startswith("--config") else f"--config: {err}") from None
+    if path is None and args.get("benchmark") == "ruler":  # the offline suite's tasks and example count do not apply
+        values = {k: v for k, v in values.items() if k not in ("tasks", "limit")}
     values.update({k: v for k, v in args.items() if v is not None})
     options = values.get("press_options") or {}
     if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):

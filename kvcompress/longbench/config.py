@@ -13,10 +13,28 @@ from kvcompress.longbench.tasks import ALL_TASKS, DEFAULT_DATASET, LONGBENCH_TAS
 OFFLINE_CONFIG = Path(__file__).resolve().parent / "offline_default.yaml"  # the embedded run's settings
 EMBEDDED_LABEL = "SmolLM2-135M-Instruct"
 RESULTS_DIR = Path("results") / "longbench"  # default outputs: under the current directory
+RULER_RESULTS_DIR = Path("results") / "ruler"
+BENCHMARKS = ("longbench", "ruler")
+RULER_EXAMPLES = 8  # contexts per RULER task without --limit
 
 METHODS: dict[str, str] = {  # name -> row label (kvcompress.registry's presses this harness offers)
     name: registry.METHODS[name].label
-    for name in ("exact", "compresskv", "compresskv_paper", "snapkv", "streamingllm", "uniform", "pyramidkv")
+    for name in (
+        "exact",
+        "compresskv",
+        "compresskv_paper",
+        "compresskv_window",
+        "compresskv_kvzip",
+        "snapkv",
+        "streamingllm",
+        "uniform",
+        "pyramidkv",
+        "expected_attention",
+        "keydiff",
+        "tova",
+        "compactor",
+        "knorm",
+    )  # every press of the registry that shrinks the cache (kvpress's AdaKV and KVzip only mask it)
 }
 DEFAULT_METHODS = ["exact", "compresskv", "snapkv", "streamingllm", "uniform"]
 
@@ -34,6 +52,8 @@ class Config:
     """Every setting of a run (YAML keys; flags with hyphens). None means the default described by ``--help``."""
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct on the offline suite
+    benchmark: str = "longbench"  # or "ruler": the RULER-style synthetic tasks (kvcompress.ruler)
+    length: int | None = None  # RULER context length in tokens (None: kvcompress.ruler.DEFAULT_LENGTH)
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     ratio: float = 0.25  # KEPT fraction of the context cache
     tasks: list[str] | None = None  # None: the offline suite without --model, else the 13 LongBench-E tasks
@@ -71,21 +91,27 @@ def validate(cfg: Config) -> Config:
             raise UsageError(f"{what}: expected a non-empty list of names, got {value!r}")
         return list(dict.fromkeys(value))
 
+    if cfg.benchmark not in BENCHMARKS:
+        raise UsageError(f"--benchmark: must be one of {', '.join(BENCHMARKS)}, got {cfg.benchmark!r}")
+    ruler = cfg.benchmark == "ruler"
+    if cfg.length is not None and not ruler:
+        raise UsageError("--length: only with --benchmark ruler (LongBench truncates with --max-context-length)")
     cfg.methods = names(cfg.methods, "--methods")
     unknown = [m for m in cfg.methods if m not in METHODS]
     if unknown:
         raise UsageError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     if cfg.tasks is not None:
         cfg.tasks = names(cfg.tasks, "--tasks")
-        unknown = [t for t in cfg.tasks if t.removesuffix("_e") not in ALL_TASKS]
+        known = tuple(ruler_tasks()) if ruler else ALL_TASKS
+        unknown = [t for t in cfg.tasks if (t if ruler else t.removesuffix("_e")) not in known]
         if unknown:
-            raise UsageError(f"--tasks: unknown task {unknown[0]!r}; choose from {', '.join(ALL_TASKS)}")
-        cfg.tasks = list(dict.fromkeys(t.removesuffix("_e") for t in cfg.tasks))
+            raise UsageError(f"--tasks: unknown task {unknown[0]!r}; choose from {', '.join(known)}")
+        cfg.tasks = list(dict.fromkeys(t if ruler else t.removesuffix("_e") for t in cfg.tasks))
     ratio = cfg.ratio
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise UsageError(f"--ratio: the kept fraction must be in (0, 1], got {ratio!r}")
     cfg.ratio = float(ratio)
-    for name in ("limit", "max_context_length", "max_new_tokens", "threads"):
+    for name in ("limit", "max_context_length", "max_new_tokens", "threads", "length"):
         value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UsageError(f"--{name.replace('_', '-')}: must be an integer >= 1, got {value!r}")
@@ -153,6 +179,20 @@ def make_press(method: str, ratio: float, seed: int, options: dict[str, Any] | N
     return registry.make_press(method, 1.0 - ratio, seed, **(options or {}))
 
 
+def ruler_tasks() -> dict:
+    """The RULER-style tasks (imported on use: the LongBench path does not need them)."""
+    from kvcompress.ruler import TASKS
+
+    return TASKS
+
+
+def ruler_length(cfg: Config) -> int:
+    """The RULER context length of the run, in tokens."""
+    from kvcompress.ruler import DEFAULT_LENGTH
+
+    return cfg.length or DEFAULT_LENGTH
+
+
 def model_label(cfg: Config) -> str:
     """The model's short name (its directory or Hub name without the organisation)."""
     return EMBEDDED_LABEL if cfg.model is None else Path(cfg.model.rstrip("/")).name
@@ -164,6 +204,8 @@ def output_dir(cfg: Config) -> Path:
         return Path(cfg.output_dir)
     changed = changed_press_options(cfg)
     suffix = "".join(f"_{m}.{k}={v}" for m, o in changed.items() for k, v in sorted(o.items()))
+    if cfg.benchmark == "ruler":
+        return RULER_RESULTS_DIR / f"{model_label(cfg)}_{ruler_length(cfg)}_{cfg.ratio:g}{suffix}"
     return RESULTS_DIR / f"{model_label(cfg)}_{cfg.ratio:g}{suffix}"
 
 
@@ -171,11 +213,15 @@ def task_list(cfg: Config) -> list[str]:
     """``--tasks``, else the offline suite without ``--model``, else the 13 LongBench-E tasks."""
     if cfg.tasks is not None:
         return cfg.tasks
+    if cfg.benchmark == "ruler":
+        return list(ruler_tasks())
     return list(offline_suite.TASKS) if cfg.model is None else list(LONGBENCH_TASKS)
 
 
 def data_source(cfg: Config) -> str:
-    """Where the examples come from: --data-dir, the offline suite or --dataset."""
+    """Where the examples come from: the RULER generator, --data-dir, the offline suite or --dataset."""
+    if cfg.benchmark == "ruler":
+        return f"ruler:length={ruler_length(cfg)}"
     if cfg.data_dir:
         return f"data_dir={Path(cfg.data_dir).resolve()}"
     if all(t in offline_suite.TASKS for t in task_list(cfg)):

@@ -25,6 +25,8 @@ class Example:
     answers: list[str]
     all_classes: list[str] | None
     length: int  # LongBench's `length` field (words), for the length buckets
+    questions: tuple[str, ...] = ()  # RULER: several questions on one compressed context (then `question` is "")
+    expected: tuple[tuple[str, ...], ...] = ()  # RULER: the strings expected in the answer to each question
 
 
 def _rows_from_jsonl(path: Path) -> list[dict]:
@@ -59,7 +61,11 @@ def _rows_from_hub(dataset: str, task: str) -> list[dict]:
 
 
 def load_task(task: str, cfg: Config) -> list[Example]:
-    """Every example of ``task`` from --data-dir, the offline suite or the Hub, as pipeline inputs."""
+    """Every example of ``task`` (RULER generator, --data-dir, offline suite or the Hub) as pipeline inputs."""
+    if cfg.benchmark == "ruler":
+        from kvcompress.ruler.harness import load_ruler_task
+
+        return load_ruler_task(task, cfg)
     if cfg.data_dir is not None:
         candidates = [Path(cfg.data_dir) / f"{task}.jsonl", Path(cfg.data_dir) / f"{task}_e.jsonl"]
         path = next((p for p in candidates if p.exists()), None)

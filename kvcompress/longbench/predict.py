@@ -154,14 +154,16 @@ def predict(pipe, cfg: Config, work: list[tuple], out: Path, rank: int, world: i
                 if model.config._attn_implementation != attn:
                     model.set_attn_implementation(attn)  # CompressKV / Uniform switched it to weighted attention
                 tick = time.perf_counter()
-                answer = pipe(
+                asked = {"questions": list(example.questions)} if example.questions else {"question": example.question}
+                result = pipe(
                     context,
-                    question=example.question,
+                    **asked,
                     answer_prefix=example.answer_prefix,
                     press=make_press(method, cfg.ratio, cfg.seed, cfg.press_options.get(method)),
                     max_new_tokens=cfg.max_new_tokens or max_new_tokens(task),
                     max_context_length=UNLIMITED_CONTEXT,
-                )["answer"]
+                )
+                answer = result["answers"] if example.questions else result["answer"]  # RULER: one per question
                 record = {
                     "key": example.key,
                     "index": example.index,

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from kvcompress.longbench import offline_suite
-from kvcompress.longbench.config import EMBEDDED_LABEL, METHODS, Config, changed_press_options, model_label
+from kvcompress.longbench.config import (
+    EMBEDDED_LABEL,
+    METHODS,
+    Config,
+    changed_press_options,
+    model_label,
+    ruler_length,
+)
 from kvcompress.longbench.data import Example
 from kvcompress.longbench.scoring import collect
 from kvcompress.longbench.tasks import BUCKETS, COLUMN_NAMES, LONGBENCH_TASKS
@@ -31,6 +38,8 @@ PAPER_TABLE4: dict[str, list[float]] = {
 
 def _cell(entry: dict[str, Any], value: float | None) -> str:
     text = "–" if value is None else f"{value:.2f}"
+    if value is not None and entry.get("ci_low") is not None:  # RULER: the bootstrap interval over examples
+        text += f" [{entry['ci_low']:.0f}, {entry['ci_high']:.0f}]"
     if not entry.get("complete", True):
         text += f" (partial {entry['n']}/{entry['n_expected']})" if "n" in entry else " (partial)"
     return text
@@ -39,7 +48,9 @@ def _cell(entry: dict[str, Any], value: float | None) -> str:
 def markdown(cfg: Config, plan: dict[str, list[Example]], results: dict[str, Any]) -> str:
     """results.md: Table 4's layout (rows = methods, columns = tasks + Average), then the length buckets."""
     complete = all(r["complete"] for r in results.values())
+    ruler = cfg.benchmark == "ruler"
     suite = "Offline suite" if all(t in offline_suite.TASKS for t in plan) else "LongBench-E"
+    suite = f"RULER-style, {ruler_length(cfg)} tokens" if ruler else suite
     title = f"# {suite}: {model_label(cfg)}, cache kept at {cfg.ratio:g} (compression_ratio {1 - cfg.ratio:g})"
     lines = [title + ("" if complete else " (partial)"), ""]
     if not complete:
@@ -57,6 +68,16 @@ def markdown(cfg: Config, plan: dict[str, list[Example]], results: dict[str, Any
     sizes = ", ".join(f"{COLUMN_NAMES[t]} {len(e)}" for t, e in plan.items())
     changed = changed_press_options(cfg)
     settings = "; ".join(f"{METHODS[m]} {', '.join(f'{k}={v}' for k, v in o.items())}" for m, o in changed.items())
+    if ruler:
+        questions = ", ".join(f"{COLUMN_NAMES[t]} {sum(len(e.questions) for e in x)}" for t, x in plan.items())
+        lines += [
+            "",
+            "RULER's string match per task x 100 (fraction of the expected strings in the answer; qa: any of them), "
+            "questions asked after the context is compressed; [95% bootstrap interval over contexts]; Average = "
+            f"unweighted mean over the tasks. Contexts per task: {sizes}; questions: {questions}.",
+            *([f"Press settings other than the defaults: {settings}."] if changed else []),
+        ]
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         f"LongBench metric per task x 100; Average = unweighted mean over the tasks. Examples per task: {sizes}.",
@@ -85,11 +106,12 @@ def write_csv(path: Path, plan: dict[str, list[Example]], results: dict[str, Any
     """scores.csv: one row per method, task (and the average) and bucket ("overall" first), with completeness."""
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["method", "task", "bucket", "score", "n", "n_expected", "complete"])
+        writer.writerow(["method", "task", "bucket", "score", "n", "n_expected", "complete", "ci_low", "ci_high"])
         for method, r in results.items():
             for task in plan:
                 t = r["tasks"][task]
-                writer.writerow([method, task, "overall", t["overall"], t["n"], t["n_expected"], t["complete"]])
+                counts = [t["n"], t["n_expected"], t["complete"], t.get("ci_low"), t.get("ci_high")]  # interval: RULER
+                writer.writerow([method, task, "overall", t["overall"], *counts])
                 for b in BUCKETS:
                     writer.writerow([method, task, b, t[b], t.get(f"n_{b}"), "", t["complete"]])
             writer.writerow([method, "average", "overall", r["average"], "", "", r["complete"]])
@@ -121,7 +143,7 @@ def plot(path: Path, cfg: Config, plan: dict[str, list[Example]], results: dict[
             bar.set_hatch(hatch)
     ax.set_xticks(range(len(columns)))
     ax.set_xticklabels([COLUMN_NAMES.get(c, "Average") for c in columns], rotation=30, ha="right")
-    ax.set_ylabel("score (LongBench metric x 100)")
+    ax.set_ylabel("score (RULER string match x 100)" if cfg.benchmark == "ruler" else "score (LongBench metric x 100)")
     complete = all(r["complete"] for r in results.values())
     ax.set_title(f"{model_label(cfg)}, cache kept at {cfg.ratio:g}" + ("" if complete else " (partial: hatched)"))
     ax.legend(fontsize=8, ncol=min(3, len(results)))
@@ -139,6 +161,7 @@ def write_tables(cfg: Config, plan: dict[str, list[Example]], out: Path) -> bool
     payload = {
         "complete": complete,
         "model": cfg.model or EMBEDDED_LABEL,
+        "benchmark": cfg.benchmark,
         "ratio": cfg.ratio,
         "compression_ratio": round(1 - cfg.ratio, 6),
         "tasks": list(plan),

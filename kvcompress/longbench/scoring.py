@@ -28,8 +28,16 @@ def check_metric_packages(tasks: list[str]) -> None:
                          "pip install 'kvcompress[eval]'")  # fmt: skip
 
 
-def score_examples(task: str, examples: list[Example], predictions: list[str]) -> dict[str, Any]:
-    """LongBench scores x 100 of one task: "overall", the buckets ("0-4k", "4-8k", "8k+", None if empty), sizes."""
+def score_examples(task: str, examples: list[Example], predictions: list) -> dict[str, Any]:
+    """LongBench scores x 100 of one task: "overall", the buckets ("0-4k", "4-8k", "8k+", None if empty), sizes.
+    A RULER task (examples with ``expected``; ``predictions``: one list of answers per example): RULER's string
+    match x 100 as "overall", its 95% bootstrap interval over examples ("ci_low", "ci_high"), "questions"."""
+    if examples and examples[0].expected:  # RULER: string matching, an interval over examples, no length buckets
+        from kvcompress.ruler.scoring import score_task
+        from kvcompress.ruler.tasks import TASKS as RULER_TASKS
+
+        result = score_task(RULER_TASKS[task].metric, predictions, [e.expected for e in examples])
+        return result | {b: None for b in BUCKETS} | {f"n_{b}": None for b in BUCKETS}
     answers = [e.answers for e in examples]
     classes = [e.all_classes for e in examples]
     lengths = [e.length for e in examples]

@@ -92,6 +92,8 @@ for _task, _spec in offline_suite.TASKS.items():
 OFFLINE_METRICS: dict[str, str] = {task: spec.metric for task, spec in offline_suite.TASKS.items()}
 ALL_TASKS: tuple[str, ...] = (*LONGBENCH_TASKS, *offline_suite.TASKS)
 COLUMN_NAMES: dict[str, str] = {**LONGBENCH_TASKS, **{t: t for t in offline_suite.TASKS}}
+COLUMN_NAMES |= {"niah_single": "niah-s", "niah_multikey": "niah-mk", "niah_multivalue": "niah-mv"}
+COLUMN_NAMES |= {"niah_multiquery": "niah-mq", "vt": "vt", "cwe": "cwe", "fwe": "fwe", "qa": "qa"}  # RULER-style
 BUCKETS = ("0-4k", "4-8k", "8k+")  # LongBench-E length buckets of the `length` field (words)
 
 
@@ -106,9 +108,12 @@ def split_prompt(task: str, context: str, question: str) -> tuple[str, str, str]
 
 
 def max_new_tokens(task: str) -> int:
-    """The protocol's answer length of ``task``: LongBench's (or the offline task's) + 20."""
+    """The protocol's answer length of ``task``: LongBench's (or the offline task's) + 20; a RULER task's own."""
+    from kvcompress.ruler.tasks import TASKS as RULER_TASKS
+
+    if task in RULER_TASKS:  # RULER's own answer lengths, nothing added
+        return RULER_TASKS[task].max_new_tokens
     base = metrics.MAX_NEW_TOKENS.get(task)
     if base is None:
         base = offline_suite.TASKS[task].max_new_tokens
     return base + EXTRA_NEW_TOKENS
-
