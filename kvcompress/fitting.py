@@ -62,8 +62,10 @@ def _sums(
 
     With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
     ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``,
-    where ``c_ji = sum_q p_j(q) a_ti(q)``: a matmul over the queries, computed per block of positions
-    against the few bins that block's positions belong to.
+    where ``c_ji = sum_q p_j(q) a_ti(q)``: a matmul over the queries per block of ``k`` positions against
+    the only bins such a block can touch. Each bin spans at least ``k`` positions (from its first kept row
+    to the next bin's), so ``k`` consecutive positions meet at most 2 bins: ``O(n M k)`` work for all
+    ``c``, static shapes, no device sync.
     """
     problems, m, n = prob.shape
     d = values.shape[-1]
@@ -72,26 +74,35 @@ def _sums(
     gram = (blocks @ blocks.transpose(-1, -2)).double()
     mass = prob.new_zeros(problems, bins, k, dtype=torch.float64)
     value_rhs = prob.new_zeros(problems, bins, k, d, dtype=torch.float64)
-    inside = owner >= 0
+    touched = 1 if k == 1 else 2  # bins a block of k positions can meet
+    width = touched * k
+    count = -(-n // k)
+    padded = count * k
+    owner = torch.nn.functional.pad(owner, (0, padded - n), value=-1)
+    prob = torch.nn.functional.pad(prob, (0, padded - n))
+    values = torch.nn.functional.pad(values, (0, 0, 0, padded - n))
+    a_rows = a.transpose(1, 2)  # [P, T * k, M]
+    # First bin of each block (protected-only blocks: clamped, their c is zeroed below).
+    owner_blocks = owner.reshape(problems, count, k)
+    low = owner_blocks.masked_fill(owner_blocks < 0, bins - 1).amin(-1)  # [P, count]
     slots = torch.arange(k, device=prob.device)
-    block = max(k, _CHUNK_ELEMENTS // max(1, problems * max(m, k * d)))
-    # The bins each block of positions touches, for every block at once: one device sync, not three per block.
-    starts = range(0, n, block)
-    owner_blocks = torch.nn.functional.pad(owner, (0, len(starts) * block - n), value=-1).reshape(problems, -1, block)
-    lows = owner_blocks.masked_fill(owner_blocks < 0, bins).amin(dim=(0, 2))
-    highs = owner_blocks.amax(dim=(0, 2))
-    for start, low, high in zip(starts, lows.tolist(), highs.tolist(), strict=True):
-        if high < 0:  # only protected positions
-            continue
-        stop = min(n, start + block)
-        owners, valid = owner[:, start:stop], inside[:, start:stop]
-        columns = a[:, :, low * k : (high + 1) * k]  # the kept rows of bins low..high
-        c_all = prob[:, :, start:stop].transpose(1, 2) @ columns  # [P, block, columns]
-        local = ((owners - low).clamp_min(0) * k)[..., None] + slots  # each position's own bin
-        c = (c_all.gather(2, local) * valid[..., None]).double()  # [P, block, k]
-        target = owners.clamp_min(low)[..., None].expand(-1, -1, k)
+    columns = torch.arange(width, device=prob.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, k * k * d, k * m)))
+    for first in range(0, count, step):
+        last = min(count, first + step)
+        chunk = last - first
+        lows = low[:, first:last]  # [P, c]
+        index = (lows[..., None] * k + columns).clamp_max(bins * k - 1).reshape(problems, -1)
+        near = a_rows.gather(1, index[..., None].expand(-1, -1, m)).reshape(problems, chunk, width, m)
+        span = slice(first * k, last * k)
+        block_prob = prob[:, :, span].reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
+        c_all = block_prob @ near.transpose(-1, -2)  # [P, c, k(positions), width]
+        owners = owner[:, span].reshape(problems, chunk, k)
+        local = ((owners - lows[..., None]).clamp_min(0) * k)[..., None] + slots  # each position's own bin
+        c = (c_all.gather(3, local) * (owners >= 0)[..., None]).double().reshape(problems, chunk * k, k)
+        target = owners.reshape(problems, -1).clamp_min(0)[..., None].expand(-1, -1, k)
         mass.scatter_add_(1, target, c)
-        weighted = c[..., None] * values[:, start:stop, None, :]  # [P, block, k, d]
+        weighted = c[..., None] * values[:, span, None, :]  # [P, c * k, k, d]
         value_rhs.scatter_add_(1, target[..., None].expand(-1, -1, -1, d), weighted)
     return gram, mass, value_rhs
 
@@ -133,10 +144,11 @@ class _QuerySet:
     def __init__(self, prob: torch.Tensor, kept: torch.Tensor, protected: torch.Tensor, values: torch.Tensor):
         prob = prob.double()
         self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, r]
-        self.exact = prob @ values  # [P, M, d]
-        protected_prob = prob * protected[None, None, :]
-        self.numerator = protected_prob @ values
-        self.denominator = protected_prob.sum(-1)
+        d = values.shape[-1]
+        inside = protected.to(values.dtype)[None, :, None]
+        # One product for the exact output and the protected rows' numerator and denominator.
+        parts = prob @ torch.cat([values, values * inside, inside.expand(values.shape[0], -1, 1)], -1)
+        self.exact, self.numerator, self.denominator = parts[..., :d], parts[..., d : 2 * d], parts[..., -1]
 
     def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
         """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention."""

@@ -86,20 +86,30 @@ def attention_mass_torch(
     hidden = None if key_mask is None else ~key_mask.to(keys.device)[:, None, None, None, :]
     total = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, batch * heads_q * n))
+    key_index = torch.arange(n, device=keys.device)
     for start in range(0, m, step):
         chunk = grouped[:, :, :, start : start + step].float() * scaling
-        logits = torch.einsum("bhgmd,bhnd->bhgmn", chunk, keys)
+        seen = n  # keys past every query of the chunk are skipped (a host sync: this is the CPU path)
+        if query_positions is not None:
+            positions = query_positions[start : start + step].to(keys.device)
+            seen = max(0, min(n, int(positions.max()) + 1))
+            if seen == 0:
+                continue
+        logits = torch.einsum("bhgmd,bhnd->bhgmn", chunk, keys[:, :, :seen])  # the one [.., m, n] buffer
         if hidden is not None:
-            logits.masked_fill_(hidden, -math.inf)
-        positions = None if query_positions is None else query_positions[start : start + step]
-        probs = causal_softmax(logits, positions)
-        del logits
-        if hidden is not None or positions is not None:
-            probs = probs.nan_to_num_(0.0)  # a query that sees no key contributes nothing
-        if reduce == "sum":
-            total += probs.sum(dim=(2, 3))
-        else:
-            total = torch.maximum(total, probs.amax(dim=(2, 3)))
+            logits.masked_fill_(hidden[..., :seen], -math.inf)
+        if query_positions is not None:
+            logits.masked_fill_(key_index[:seen] > positions[:, None], -math.inf)
+        peak = logits.amax(-1, keepdim=True)
+        peak = torch.where(peak > -math.inf, peak, 0.0)  # a query that sees no key: all terms 0
+        probs = logits.sub_(peak).exp_()
+        total_row = probs.sum(-1)  # [b, h, g, c]
+        inverse = torch.where(total_row > 0, 1.0 / total_row, 0.0)
+        if reduce == "sum":  # sum_i e_ij / Z_i: one matrix-vector product per KV head
+            total[..., :seen] += torch.einsum("bhgmn,bhgm->bhn", probs, inverse)
+        elif seen:
+            total[..., :seen] = torch.maximum(total[..., :seen], probs.mul_(inverse[..., None]).amax(dim=(2, 3)))
+        del logits, probs
     return total
 
 
