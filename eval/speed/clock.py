@@ -109,4 +109,3 @@ class Notes(list):
         if note and note not in self:
             self.append(note)
             print(f"note: {note}")
-
