@@ -87,7 +87,7 @@ def _sums(
     low = owner_blocks.masked_fill(owner_blocks < 0, bins - 1).amin(-1)  # [P, count]
     slots = torch.arange(k, device=prob.device)
     columns = torch.arange(width, device=prob.device)
-    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, k * k * d, k * m)))
+    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, width * d, width * k)))
     for first in range(0, count, step):
         last = min(count, first + step)
         chunk = last - first
@@ -98,12 +98,20 @@ def _sums(
         block_prob = prob[:, :, span].reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
         c_all = block_prob @ near.transpose(-1, -2)  # [P, c, k(positions), width]
         owners = owner[:, span].reshape(problems, chunk, k)
-        local = ((owners - lows[..., None]).clamp_min(0) * k)[..., None] + slots  # each position's own bin
-        c = (c_all.gather(3, local) * (owners >= 0)[..., None]).double().reshape(problems, chunk * k, k)
-        target = owners.reshape(problems, -1).clamp_min(0)[..., None].expand(-1, -1, k)
-        mass.scatter_add_(1, target, c)
-        weighted = c[..., None] * values[:, span, None, :]  # [P, c * k, k, d]
-        value_rhs.scatter_add_(1, target[..., None].expand(-1, -1, -1, d), weighted)
+        nearby = (owners - lows[..., None]).clamp(0, touched - 1)  # each position's bin among the block's
+        local = (nearby * k)[..., None] + slots
+        c = (c_all.gather(3, local) * (owners >= 0)[..., None]).double()  # [P, c, k(positions), k]
+        # Per block and nearby bin: sum over its positions of c (mass) and of c v (values), one small product.
+        split = torch.nn.functional.one_hot(nearby, touched).double()[..., None] * c[..., None, :]  # [P,c,k,u,k]
+        block_mass = split.sum(2).reshape(problems, chunk * touched, k)
+        block_values = split.reshape(problems, chunk, k, width).transpose(-1, -2) @ values[:, span].reshape(
+            problems, chunk, k, d
+        )  # [P, c, u * k, d]
+        target = (lows[..., None] + columns[:touched]).clamp_max(bins - 1).reshape(problems, chunk * touched)
+        mass.scatter_add_(1, target[..., None].expand(-1, -1, k), block_mass)
+        value_rhs.scatter_add_(
+            1, target[..., None, None].expand(-1, -1, k, d), block_values.reshape(problems, chunk * touched, k, d)
+        )
     return gram, mass, value_rhs
 
 
@@ -142,12 +150,15 @@ class _QuerySet:
     rows' parts of weighted attention (float64)."""
 
     def __init__(self, prob: torch.Tensor, kept: torch.Tensor, protected: torch.Tensor, values: torch.Tensor):
-        prob = prob.double()
-        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, r]
+        problems, m, n = prob.shape
+        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, m, -1)).double()  # [P, M, r]
         d = values.shape[-1]
-        inside = protected.to(values.dtype)[None, :, None]
-        # One product for the exact output and the protected rows' numerator and denominator.
-        parts = prob @ torch.cat([values, values * inside, inside.expand(values.shape[0], -1, 1)], -1)
+        inside = protected.to(values.device, values.dtype)[None, :, None]
+        # One product for the exact output and the protected rows' numerator and denominator, in float64 over
+        # query chunks (no float64 copy of all probabilities at once).
+        rhs = torch.cat([values, values * inside, inside.expand(problems, -1, 1)], -1)
+        step = max(1, _CHUNK_ELEMENTS // max(1, problems * n))
+        parts = torch.cat([prob[:, i : i + step].double() @ rhs for i in range(0, m, step)], 1)
         self.exact, self.numerator, self.denominator = parts[..., :d], parts[..., d : 2 * d], parts[..., -1]
 
     def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
@@ -204,10 +215,14 @@ def fit_kept_rows(
     )
     owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(protected[None, :].to(keys.device), -1)
 
-    prob = _probabilities(grouped, flat_keys, scaling, positions)
-    halves = [prob[:, start::2] for start in (0, 1)]  # fit on the even queries, validate on the odd ones
-    sums = [_sums(half, padded, owner, flat_values, bins, k) for half in halves]
-    checks = [_QuerySet(half, flat_kept, protected, flat_values) for half in halves]
+    sums, checks = [], []
+    for start in (0, 1):  # fit on the even queries, validate on the odd ones; one half's probabilities at a time
+        half = _probabilities(
+            grouped[:, start::2], flat_keys, scaling, None if positions is None else positions[start::2]
+        )
+        sums.append(_sums(half, padded, owner, flat_values, bins, k))
+        checks.append(_QuerySet(half, flat_kept, protected, flat_values))
+        del half
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
     solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 
