@@ -42,7 +42,7 @@ def attention_mass(
     in float32 over query chunks of at most ``_CHUNK_ELEMENTS`` logits.
     """
     _check_mass_inputs(queries, keys, query_positions, reduce, key_mask)
-    if queries.device.type == "cuda":
+    if queries.device.type == "cuda" and queries.shape[2] > 0:
         from kvcompress.kernels import attention_mass as kernel
 
         if kernel.unsupported_reason(queries, keys) is None:

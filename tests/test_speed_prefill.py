@@ -31,3 +31,10 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
     for name in ("window", "context", "accumulated"):
         assert by_name[name]["repeat_forward_s"] == 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
     assert by_name["window_nofit"]["fit_s"] == 0
+    mass = data["prefill_breakdown"]["mass"]
+    assert [(r["queries"], r["causal"], r["backend"]) for r in mass] == [
+        (320, False, "torch"),
+        (320, True, "torch"),
+        (64, True, "torch"),
+    ]
+    assert all(r["median_s"] > 0 and r["tflops"] > 0 for r in mass)

@@ -179,6 +179,45 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def run_mass_kernels(cfg: Config, device: torch.device, dtype: torch.dtype, clock: Clock, notes: Notes) -> list[dict]:
+    """One layer's attention mass at the model's head shape: the fused kernel (CUDA) and the chunked PyTorch path,
+    for m = n queries non-causal (the "context" source, a repeat chunk of n) and causal ("accumulated"), and the
+    64 window queries. Rows ``{n, queries, causal, backend, median_s, tflops}`` (QK^T FLOPs of both passes)."""
+    from kvcompress.selection import attention_mass_torch
+
+    conf = cfg.model
+    heads_q, heads_kv = conf["num_attention_heads"], conf["num_key_value_heads"]
+    d = conf.get("head_dim") or conf["hidden_size"] // heads_q
+    backends: dict[str, Callable] = {"torch": attention_mass_torch}
+    if device.type == "cuda":
+        from kvcompress.kernels.attention_mass import attention_mass_kernel
+
+        backends = {"triton": attention_mass_kernel, **backends}
+    else:
+        notes.add("attention mass kernel: timed on CUDA only (the CPU runs the chunked PyTorch path)")
+    rows = []
+    generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    for n in cfg.breakdown_lengths:
+        keys = torch.randn(1, heads_kv, n, d, generator=generator).to(device, dtype)
+        for m, causal in ((n, False), (n, True), (min(64, n), True)):
+            queries = torch.randn(1, heads_q, m, d, generator=generator).to(device, dtype)
+            positions = torch.arange(n - m, n, device=device) if causal else None
+            flops = 4 * heads_q * m * n * d * (0.5 if causal and m == n else 1.0)
+            for backend, fn in backends.items():
+                row: dict[str, Any] = {"n": n, "queries": m, "causal": causal, "backend": backend}
+                try:
+                    samples = clock.times(
+                        lambda f=fn, q=queries, k=keys, p=positions: f(q, k, d**-0.5, p), 1, cfg.e2e_repeats
+                    )
+                    row["median_s"] = statistics.median(samples)
+                    row["tflops"] = flops / row["median_s"] / 1e12
+                except Exception as err:  # out of memory for the torch path's chunks at 64k, say
+                    row["error"] = f"{type(err).__name__}: {err}"
+                rows.append(row)
+                release(device)
+    return rows
+
+
 def run_prefill_section(cfg: Config, device: torch.device, dtype: torch.dtype, clock: Clock, notes: Notes) -> dict:
     """The ``prefill`` section of ``python -m eval.speed``: its own random-weight model, the rows, the table."""
     import kvpress  # noqa: F401  (registers kvpress's presses before any timing)
@@ -196,4 +235,9 @@ def run_prefill_section(cfg: Config, device: torch.device, dtype: torch.dtype, c
     print("\n[prefill] breakdown per setting (seconds per prefill; medians)\n" + table(rows))
     del model
     release(device)
-    return {"rows": rows, "settings": {name: SETTINGS[name] for name in SETTINGS}}
+    mass = run_mass_kernels(cfg, device, dtype, clock, notes)
+    print("\n[prefill] attention mass of one layer (seconds; QK^T TFLOP/s of both passes)")
+    for row in mass:
+        result = row.get("error") or f"{row['median_s']:.4g} s  {row['tflops']:.3g} TFLOP/s"
+        print(f"n={row['n']} queries={row['queries']} causal={row['causal']} {row['backend']}: {result}")
+    return {"rows": rows, "mass": mass, "settings": {name: SETTINGS[name] for name in SETTINGS}}
