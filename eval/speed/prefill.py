@@ -45,6 +45,7 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "accumulated": dict(reference=("window", "accumulated")),
     "repeat_quarter": dict(repeat_fraction=0.25),
 }
+TORCH_MASS_MAX = 8192 * 8192  # the chunked torch path is timed on CUDA up to this many query-key pairs (~1 s)
 STAGES = ("forward_s", "repeat_forward_s", "mass_s", "selection_s", "fit_s", "peak_gib")
 
 
@@ -204,6 +205,9 @@ def run_mass_kernels(cfg: Config, device: torch.device, dtype: torch.dtype, cloc
             positions = torch.arange(n - m, n, device=device) if causal else None
             flops = 4 * heads_q * m * n * d * (0.5 if causal and m == n else 1.0)
             for backend, fn in backends.items():
+                if backend == "torch" and device.type == "cuda" and m * n > TORCH_MASS_MAX:
+                    notes.add(f"attention mass: the torch path is timed up to {TORCH_MASS_MAX} query-key pairs")
+                    continue
                 row: dict[str, Any] = {"n": n, "queries": m, "causal": causal, "backend": backend}
                 try:
                     samples = clock.times(
