@@ -93,7 +93,7 @@ def _row_lse_kernel(
         q_ptr, pos_ptr, b, h, tl.program_id(1) * BLOCK_R, GROUP, M, ROWS, N, s_qb, s_qh, s_qm, s_qd, s_p,
         offs_d, d_mask, BLOCK_R, HAS_POS, DOT_FP32,
     )  # fmt: skip
-    hi = tl.minimum(N, tl.max(row_pos, 0) + 1)  # keys past every row's position are never read
+    hi = tl.minimum(N, tl.max(row_pos, 0) + 1).to(tl.int32)  # keys past every row's position are never read
     k_base = k_ptr + b * s_kb + h * s_kh
     mask_base = mask_ptr + b * s_mb
     m_i = tl.full([BLOCK_R], NEG_BIG, tl.float32)
@@ -185,7 +185,10 @@ def attention_mass_kernel(
     block_d = max(16, triton.next_power_of_2(dim))
     wide = block_d > 128
     block_r = block_r or (64 if wide else 128)
-    block_n = block_n or (32 if wide else 64)
+    # Pass 1 streams keys past resident rows (FlashAttention tiles); pass 2 streams rows past a resident key
+    # tile, so a wider tile there amortises every query load over more keys.
+    block_n1 = block_n or (32 if wide else 64)
+    block_n2 = block_n or (64 if wide else 128)
     device = queries.device
     positions = query_positions.to(device=device, dtype=torch.int64) if query_positions is not None else None
     pos_t = positions if positions is not None else torch.zeros(1, dtype=torch.int64, device=device)
@@ -199,14 +202,14 @@ def attention_mass_kernel(
         *queries.stride(), *keys.stride(), pos_t.stride(0), *mask_t.stride(),
     )  # fmt: skip
     flags = dict(
-        D=dim, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
+        D=dim, BLOCK_R=block_r, BLOCK_D=block_d,
         HAS_POS=positions is not None, HAS_MASK=key_mask is not None, DOT_FP32=dot_fp32,
-        num_warps=8 if block_r * block_d >= 128 * 128 else 4,
+        num_warps=8 if block_r * block_d >= 128 * 128 else 4, num_stages=2,
     )  # fmt: skip
     _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, block_r))](
-        queries, keys, pos_t, mask_t, lse, *common, num_stages=2, **flags
+        queries, keys, pos_t, mask_t, lse, *common, BLOCK_N=block_n1, **flags
     )
-    _column_kernel[(batch * heads_kv, triton.cdiv(n, block_n))](
-        queries, keys, pos_t, mask_t, lse, out, *common, REDUCE_MAX=reduce == "max", num_stages=2, **flags
+    _column_kernel[(batch * heads_kv, triton.cdiv(n, block_n2))](
+        queries, keys, pos_t, mask_t, lse, out, *common, BLOCK_N=block_n2, REDUCE_MAX=reduce == "max", **flags
     )
     return out
