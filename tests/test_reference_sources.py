@@ -125,3 +125,12 @@ def test_spread_pieces_and_the_partial_repeat_pass(monkeypatch):
             CompressKVPress(repeat_fraction=bad)
     with pytest.raises(ValueError, match="repeat_span"):
         CompressKVPress(repeat_span=0)
+
+
+def test_press_specs_take_lists_of_sources():
+    from kvcompress.fidelity.specs import make_press, parse_spec
+
+    spec = parse_spec("compresskv[reference=[window,context],repeat_fraction=0.5]")
+    assert spec.fields == {"reference": ["window", "context"], "repeat_fraction": 0.5}
+    press = make_press(spec, 0.25)
+    assert press.reference == ("window", "context") and press.repeat_fraction == 0.5
