@@ -23,7 +23,8 @@ sizes with ``time.perf_counter``: a smoke test, not a performance measurement.
 
 Run from the repository root: ``python -m eval.speed`` (defaults in ``configs/speed.yaml``). Modules: ``config``
 (settings, flags), ``clock`` (timing, backends), ``kernels`` (bandwidth and kernel rooflines), ``e2e`` (the
-random-weight model), ``prefill`` (the prefill breakdown), ``report`` (goals, tables, environment), ``cli`` (the run).
+random-weight model), ``prefill`` (the prefill breakdown), ``report`` (goals, tables, environment), ``cli``
+(the run).
 """
 
 from eval.speed.cli import main, run

@@ -94,3 +94,5 @@ def run(cfg: Config, device: torch.device, dtype: torch.dtype, output: Path) -> 
     output.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"\nwrote {output}; total {results['total_s']:.1f} s")
     return 0
+
+

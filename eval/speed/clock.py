@@ -109,3 +109,4 @@ class Notes(list):
         if note and note not in self:
             self.append(note)
             print(f"note: {note}")
+

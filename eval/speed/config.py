@@ -120,6 +120,7 @@ class Config:
     snapkv_kernel: int = 5
 
 
+
 def build_parser() -> argparse.ArgumentParser:
     """CLI flags; all default to None so that the YAML config (then the built-in defaults) fill the gaps."""
     p = argparse.ArgumentParser(

@@ -240,3 +240,4 @@ def time_attention(
         row = {"variant": label, "call": name, "layer": cfg.attention_layer, "rows": rows, "batch": batch}
         out.append(timed_row(row, call, cfg, clock, flush, notes, f"attention {label} {name}"))
     return out
+

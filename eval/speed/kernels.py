@@ -144,3 +144,4 @@ def _decode_case(
             row["gbps"] = moved / row["median_s"] / 1e9
             row["roofline"] = row["gbps"] / bandwidth
     return rows
+

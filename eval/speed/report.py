@@ -271,3 +271,4 @@ def environment(device: torch.device) -> dict[str, Any]:
     else:
         env["cpu"] = platform.processor() or platform.machine()
     return env
+
