@@ -186,7 +186,8 @@ def fit_kept_rows(
 ) -> FitResult:
     """Fit the kept rows of a context to reference queries (module docstring).
 
-    Probabilities and their products run in float32, the sums, solves and error checks in float64.
+    Probabilities and their products (including the checks' exact outputs) run in float32; the sums, solves
+    and error checks in float64.
 
     keys ``[b, h_kv, n, d]``, values ``[b, h_kv, n, d_v]``: the whole context. kept ``[b, h_kv, r]`` int64,
     sorted positions of the kept non-protected rows. protected ``[n]`` bool: rows kept exact and
