@@ -4,14 +4,17 @@
 prefill-time ratio of a press (load the model, tokenize, prefill; compare medians and A/B ratios with an
 external process timer). ``--press none`` stops after loading, to subtract the fixed cost. Presses are
 ``kvcompress.fidelity`` specs (``NAME`` or ``NAME[field=value,...]``); the context is the fidelity study's
-first prose context of ``--tokens`` tokens.
+first prose context of ``--tokens`` tokens. ``--also`` runs more presses in turn in the same process and each
+line reports wall and CPU seconds (CPU time is the steadier figure on a shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
+import torch
 from transformers import pipeline
 
 from kvcompress.fidelity.contexts import build_contexts
@@ -26,15 +29,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kept", type=float, default=0.25, help="kept fraction of the context (default 0.25)")
     parser.add_argument("--tokens", type=int, default=2000, help="context tokens, prose (default 2000)")
     parser.add_argument("--repeats", type=int, default=3, help="prefills in one process (default 3)")
+    parser.add_argument(
+        "--also", nargs="+", default=[], help="more press specs, run in turn after --press in the same process"
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
     spec = None if args.press == "none" else parse_spec(args.press)
+    others = [parse_spec(name) for name in args.also]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     context = build_contexts(pipe, ["prose"], [args.tokens], seeds=1, continuation=1)[0]
     if spec is None:
         return
-    seconds = [prefill(model, make_press(spec, args.kept, seed=i), context.ids)[1] for i in range(args.repeats)]
-    print(f"{args.press} kept={args.kept} tokens={context.ids.shape[1]} prefill s: {[round(s, 3) for s in seconds]}")
+    for i in range(args.repeats):  # the presses in turn, so that a drift of the machine's speed hits them alike
+        for press_spec in [spec, *others]:
+            cpu = time.process_time()
+            seconds = prefill(model, make_press(press_spec, args.kept, seed=i), context.ids)[1]
+            cpu = time.process_time() - cpu
+            print(
+                f"{press_spec.label} kept={args.kept} tokens={context.ids.shape[1]} round {i}: "
+                f"prefill {seconds:.3f} s wall, {cpu:.3f} s CPU",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

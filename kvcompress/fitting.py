@@ -62,8 +62,10 @@ def _sums(
 
     With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
     ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``,
-    where ``c_ji = sum_q p_j(q) a_ti(q)``: a matmul over the queries, computed per block of positions
-    against the few bins that block's positions belong to.
+    where ``c_ji = sum_q p_j(q) a_ti(q)``: a matmul over the queries per block of ``k`` positions against
+    the only bins such a block can touch. Each bin spans at least ``k`` positions (from its first kept row
+    to the next bin's), so ``k`` consecutive positions meet at most 2 bins: ``O(n M k)`` work for all
+    ``c``, static shapes, no device sync.
     """
     problems, m, n = prob.shape
     d = values.shape[-1]
@@ -72,27 +74,44 @@ def _sums(
     gram = (blocks @ blocks.transpose(-1, -2)).double()
     mass = prob.new_zeros(problems, bins, k, dtype=torch.float64)
     value_rhs = prob.new_zeros(problems, bins, k, d, dtype=torch.float64)
-    inside = owner >= 0
+    touched = 1 if k == 1 else 2  # bins a block of k positions can meet
+    width = touched * k
+    count = -(-n // k)
+    padded = count * k
+    owner = torch.nn.functional.pad(owner, (0, padded - n), value=-1)
+    prob = torch.nn.functional.pad(prob, (0, padded - n))
+    values = torch.nn.functional.pad(values, (0, 0, 0, padded - n))
+    a_rows = a.transpose(1, 2)  # [P, T * k, M]
+    # First bin of each block (protected-only blocks: clamped, their c is zeroed below).
+    owner_blocks = owner.reshape(problems, count, k)
+    low = owner_blocks.masked_fill(owner_blocks < 0, bins - 1).amin(-1)  # [P, count]
     slots = torch.arange(k, device=prob.device)
-    block = max(k, _CHUNK_ELEMENTS // max(1, problems * max(m, k * d)))
-    # The bins each block of positions touches, for every block at once: one device sync, not three per block.
-    starts = range(0, n, block)
-    owner_blocks = torch.nn.functional.pad(owner, (0, len(starts) * block - n), value=-1).reshape(problems, -1, block)
-    lows = owner_blocks.masked_fill(owner_blocks < 0, bins).amin(dim=(0, 2))
-    highs = owner_blocks.amax(dim=(0, 2))
-    for start, low, high in zip(starts, lows.tolist(), highs.tolist(), strict=True):
-        if high < 0:  # only protected positions
-            continue
-        stop = min(n, start + block)
-        owners, valid = owner[:, start:stop], inside[:, start:stop]
-        columns = a[:, :, low * k : (high + 1) * k]  # the kept rows of bins low..high
-        c_all = prob[:, :, start:stop].transpose(1, 2) @ columns  # [P, block, columns]
-        local = ((owners - low).clamp_min(0) * k)[..., None] + slots  # each position's own bin
-        c = (c_all.gather(2, local) * valid[..., None]).double()  # [P, block, k]
-        target = owners.clamp_min(low)[..., None].expand(-1, -1, k)
-        mass.scatter_add_(1, target, c)
-        weighted = c[..., None] * values[:, start:stop, None, :]  # [P, block, k, d]
-        value_rhs.scatter_add_(1, target[..., None].expand(-1, -1, -1, d), weighted)
+    columns = torch.arange(width, device=prob.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, width * d, width * k)))
+    for first in range(0, count, step):
+        last = min(count, first + step)
+        chunk = last - first
+        lows = low[:, first:last]  # [P, c]
+        index = (lows[..., None] * k + columns).clamp_max(bins * k - 1).reshape(problems, -1)
+        near = a_rows.gather(1, index[..., None].expand(-1, -1, m)).reshape(problems, chunk, width, m)
+        span = slice(first * k, last * k)
+        block_prob = prob[:, :, span].reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
+        c_all = block_prob @ near.transpose(-1, -2)  # [P, c, k(positions), width]
+        owners = owner[:, span].reshape(problems, chunk, k)
+        nearby = (owners - lows[..., None]).clamp(0, touched - 1)  # each position's bin among the block's
+        local = (nearby * k)[..., None] + slots
+        c = (c_all.gather(3, local) * (owners >= 0)[..., None]).double()  # [P, c, k(positions), k]
+        # Per block and nearby bin: sum over its positions of c (mass) and of c v (values), one small product.
+        split = torch.nn.functional.one_hot(nearby, touched).double()[..., None] * c[..., None, :]  # [P,c,k,u,k]
+        block_mass = split.sum(2).reshape(problems, chunk * touched, k)
+        block_values = split.reshape(problems, chunk, k, width).transpose(-1, -2) @ values[:, span].reshape(
+            problems, chunk, k, d
+        )  # [P, c, u * k, d]
+        target = (lows[..., None] + columns[:touched]).clamp_max(bins - 1).reshape(problems, chunk * touched)
+        mass.scatter_add_(1, target[..., None].expand(-1, -1, k), block_mass)
+        value_rhs.scatter_add_(
+            1, target[..., None, None].expand(-1, -1, k, d), block_values.reshape(problems, chunk * touched, k, d)
+        )
     return gram, mass, value_rhs
 
 
@@ -113,7 +132,9 @@ def _solve(
     scale = diag.mean(dim=(-1, -2), keepdim=True).clamp_min(1e-300)[..., None]  # per problem
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
     system = gram * ~pad[..., :, None] * ~pad[..., None, :] + ridge * scale * eye
-    factor = torch.linalg.cholesky(system)
+    # No error check (a device sync): the system is SPD (ridge > 0); a factor that failed anyway gives a fit the
+    # held-out error checks judge like any other (NaN never passes them: that head keeps its unfitted rows).
+    factor = torch.linalg.cholesky_ex(system).L
     prior = ridge * scale[..., 0]
     weights = torch.cholesky_solve((mass + prior)[..., None], factor)[..., 0]
     weights = torch.where(pad, torch.ones_like(weights), weights).clamp(
@@ -131,12 +152,15 @@ class _QuerySet:
     rows' parts of weighted attention (float64)."""
 
     def __init__(self, prob: torch.Tensor, kept: torch.Tensor, protected: torch.Tensor, values: torch.Tensor):
-        prob = prob.double()
-        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, r]
-        self.exact = prob @ values  # [P, M, d]
-        protected_prob = prob * protected[None, None, :]
-        self.numerator = protected_prob @ values
-        self.denominator = protected_prob.sum(-1)
+        problems, m, n = prob.shape
+        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, m, -1)).double()  # [P, M, r]
+        d = values.shape[-1]
+        inside = protected.to(values.device, values.dtype)[None, :, None]
+        # One float32 product for the exact output and the protected rows' numerator and denominator (its
+        # rounding, ~1e-7 of each output, is far below the errors these checks compare), then float64.
+        rhs = torch.cat([values, values * inside, inside.expand(problems, -1, 1)], -1).to(prob.dtype)
+        parts = (prob @ rhs).double()
+        self.exact, self.numerator, self.denominator = parts[..., :d], parts[..., d : 2 * d], parts[..., -1]
 
     def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
         """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention."""
@@ -162,7 +186,8 @@ def fit_kept_rows(
 ) -> FitResult:
     """Fit the kept rows of a context to reference queries (module docstring).
 
-    Probabilities and their products run in float32, the sums, solves and error checks in float64.
+    Probabilities and their products (including the checks' exact outputs) run in float32; the sums, solves
+    and error checks in float64.
 
     keys ``[b, h_kv, n, d]``, values ``[b, h_kv, n, d_v]``: the whole context. kept ``[b, h_kv, r]`` int64,
     sorted positions of the kept non-protected rows. protected ``[n]`` bool: rows kept exact and
@@ -192,10 +217,14 @@ def fit_kept_rows(
     )
     owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(protected[None, :].to(keys.device), -1)
 
-    prob = _probabilities(grouped, flat_keys, scaling, positions)
-    halves = [prob[:, start::2] for start in (0, 1)]  # fit on the even queries, validate on the odd ones
-    sums = [_sums(half, padded, owner, flat_values, bins, k) for half in halves]
-    checks = [_QuerySet(half, flat_kept, protected, flat_values) for half in halves]
+    sums, checks = [], []
+    for start in (0, 1):  # fit on the even queries, validate on the odd ones; one half's probabilities at a time
+        half = _probabilities(
+            grouped[:, start::2], flat_keys, scaling, None if positions is None else positions[start::2]
+        )
+        sums.append(_sums(half, padded, owner, flat_values, bins, k))
+        checks.append(_QuerySet(half, flat_kept, protected, flat_values))
+        del half
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
     solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 

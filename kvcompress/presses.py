@@ -14,7 +14,7 @@ import torch
 from kvcompress import rng
 from kvcompress._checks import check_int_range
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
-from kvcompress.reference import SOURCES, LayerReference, prefill_query_radius, record_prefill
+from kvcompress.reference import SOURCES, LayerReference, prefill_query_radius, record_prefill, spread_pieces
 from kvcompress.weighted_press import WeightedSubsetPress, check_choice, check_number
 
 SELECTIONS = ("attention", "hybrid", "rpnys")
@@ -32,6 +32,8 @@ class CompressKVPress(WeightedSubsetPress):
     by attention and summarises the rest by an RPNys coreset. ``reference``: query sources
     (:mod:`kvcompress.reference`), each one's attention mass normalised per head and mixed with weight 1
     (``repeat_weight`` for ``"repeat"``); window scores are average-pooled over ``pool_kernel`` keys.
+    ``repeat_fraction`` < 1: the repeat pass re-reads only that fraction of the context, as evenly spread
+    pieces of ``repeat_span`` tokens (cost in proportion).
     ``fit`` (``"attention"`` selection only): ``"values"`` fits each kept row's mass ``w`` and value
     ``V_S`` to the reference queries (:mod:`kvcompress.fitting`), ``"weights"`` only ``w`` (``V_S = w v``),
     ``"none"`` keeps ``w = 1``. ``score_pooling``: a key's score from one source is the softmax attention its
@@ -52,6 +54,8 @@ class CompressKVPress(WeightedSubsetPress):
     fit_ridge: float = 0.1
     fit_queries: int = 256
     repeat_chunk: int = 2048
+    repeat_fraction: float = 1.0
+    repeat_span: int = 128
     hybrid_fraction: float = 0.5
     bin_rank: int = 12
     query_radius: str = "keys"
@@ -73,12 +77,14 @@ class CompressKVPress(WeightedSubsetPress):
         check_number("repeat_weight", self.repeat_weight, 0)
         check_number("fit_ridge", self.fit_ridge, 0, low_open=True)
         check_number("hybrid_fraction", self.hybrid_fraction, 0, 1)
+        check_number("repeat_fraction", self.repeat_fraction, 0, 1, low_open=True)
         for name, low in (
             ("observation_window", 1),
             ("pool_kernel", 1),
             ("fit_bin_rows", 1),
             ("fit_queries", 2),
             ("repeat_chunk", 1),
+            ("repeat_span", 1),
             ("bin_rank", 1),
         ):
             check_int_range(name, getattr(self, name), low)
@@ -111,6 +117,9 @@ class CompressKVPress(WeightedSubsetPress):
 
     def repeat_samples(self) -> int:
         return self.fit_queries if self.fit != "none" else 0
+
+    def repeat_positions(self, n: int, device) -> torch.Tensor | None:
+        return spread_pieces(n, self.repeat_fraction, self.repeat_span, device)
 
     def record_reference(self, module, kwargs, keys) -> LayerReference:
         if self.selection == "rpnys":

@@ -1,10 +1,14 @@
 """Reference queries for query-aware compression, collected per layer while the context is prefilled.
 
-Three sources, each giving every context key an attention mass (:func:`kvcompress.selection.attention_mass`)
+Sources, each giving every context key an attention mass (:func:`kvcompress.selection.attention_mass`)
 and a few queries for the fit (:mod:`kvcompress.fitting`):
 
 * ``"window"``: the last ``observation_window`` context queries, causal (what SnapKV scores with).
 * ``"prefill"``: ``samples`` prefill queries spread evenly over the context, causal.
+* ``"context"``: every prefill query against every context key, non-causally (each context query also sees
+  the keys after it): no extra forward, one fused pass over the layer's own queries.
+* ``"accumulated"``: every prefill query, causal: the attention each key accumulated during the prefill
+  (H2O, Zhang et al., arXiv 2306.14048), without the eviction along the way.
 * ``"repeat"``: a second pass over the context's own tokens right after it, in chunks, each chunk cropped
   away again. Reading the text again, the model's queries look back at the rows it needs to reproduce it
   (the reconstruction idea of KVzip, Kim et al., arXiv 2505.23416, without its prompt, so no tokenizer is
@@ -21,7 +25,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvcompress.selection import attention_mass
 
-SOURCES = ("window", "prefill", "repeat")
+SOURCES = ("window", "prefill", "repeat", "context", "accumulated")
 
 
 def post_rope_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
@@ -77,7 +81,7 @@ def record_prefill(
     samples: int,
     reduce: str = "sum",
 ) -> LayerReference:
-    """The ``"window"`` and ``"prefill"`` sources of one layer from its prefill call (hook ``kwargs``); ``reduce``
+    """The sources of one layer that its prefill call (hook ``kwargs``) gives: all but ``"repeat"``. ``reduce``
     pools each source's queries (:func:`kvcompress.selection.attention_mass`) and is kept for the repeat pass."""
     reference = LayerReference(reduce=reduce)
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
@@ -91,6 +95,18 @@ def record_prefill(
         queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
         mass = attention_mass(queries, keys, module.scaling, query_positions=index, reduce=reduce)
         reference.add(source, mass, queries, index)
+    if "context" in sources or "accumulated" in sources:  # all n prefill queries, one fused pass each
+        queries = post_rope_queries(module, hidden, (cos, sin))
+        fit = even_sample(n, samples, keys.device)
+        everything = torch.full((len(fit),), n - 1, dtype=torch.long, device=keys.device)
+        if "context" in sources:
+            mass = attention_mass(queries, keys, module.scaling, reduce=reduce)
+            reference.add("context", mass, queries[:, :, fit], everything)
+        if "accumulated" in sources:
+            causal = torch.arange(n, device=keys.device)
+            mass = attention_mass(queries, keys, module.scaling, query_positions=causal, reduce=reduce)
+            reference.add("accumulated", mass, queries[:, :, fit], fit)
+        del queries
     return reference
 
 
@@ -129,6 +145,17 @@ def restore_layer(cache, layer_idx: int, snapshot: list[dict]) -> None:
     tensors, and a sliding-window layer that has seen more than its window cannot be cropped.
     """
     vars(cache.layers[layer_idx]).update(snapshot[layer_idx])
+
+
+def spread_pieces(n: int, fraction: float, span: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Positions of the context pieces a partial repeat pass re-reads: the context cut into pieces of ``span``
+    tokens, ``round(fraction * pieces)`` of them (at least 1) spread evenly, in order; None for all of it."""
+    if fraction >= 1:
+        return None
+    pieces = -(-n // span)
+    chosen = even_sample(pieces, max(1, round(fraction * pieces)), device)
+    positions = (chosen[:, None] * span + torch.arange(span, device=device)).reshape(-1)
+    return positions[positions < n]
 
 
 def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int, snapshot: list) -> None:

@@ -13,8 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-# Logits materialised at once by attention_mass, in elements (~256 MiB of float32).
+# Logits materialised at once by the chunked PyTorch path of attention_mass, in elements (~256 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 26
+REDUCTIONS = ("sum", "max")
 
 
 def attention_mass(
@@ -24,34 +25,91 @@ def attention_mass(
     query_positions: torch.Tensor | None = None,
     *,
     reduce: str = "sum",
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention of every query over ``keys``, summed (or maxed) over queries and their GQA group.
+    """Softmax attention of every query over ``keys``, reduced per key over the queries and their GQA group.
 
     queries ``[b, h_q, m, d]`` (post-RoPE), keys ``[b, h_kv, n, d]``, ``h_q`` a multiple of ``h_kv``.
     ``query_positions``: optional ``[m]`` int64 positions of the queries among the keys; query i then
     sees key j only if ``j <= query_positions[i]`` (queries from inside the context); None: every key.
-    Softmax in float32 over the n keys. Returns ``[b, h_kv, n]`` float32. ``reduce="sum"``: each query
-    contributes 1 in total, so the result sums to ``m * h_q / h_kv`` per KV head; ``reduce="max"``: the largest
-    probability any query of the group gives the key (KVzip's score, Kim et al., arXiv 2505.23416). Works in
-    query chunks to bound memory.
+    ``key_mask``: optional ``[b, n]`` bool, False for keys no query sees (padding). ``reduce="sum"``: each
+    query contributes 1 in total, so the result sums to ``m * h_q / h_kv`` per KV head (a query that sees
+    no key contributes 0); ``reduce="max"``: the largest probability any query of the group gives the key
+    (KVzip's score, Kim et al., arXiv 2505.23416). Returns ``[b, h_kv, n]`` float32.
+
+    The m x n probabilities are never held at once: on CUDA a fused two-pass Triton kernel
+    (:mod:`kvcompress.kernels.attention_mass`, 16-bit tensor-core dots, fp32 statistics); elsewhere softmax
+    in float32 over query chunks of at most ``_CHUNK_ELEMENTS`` logits.
     """
-    if reduce not in ("sum", "max"):
-        raise ValueError(f"reduce: must be 'sum' or 'max', got {reduce!r}")
+    _check_mass_inputs(queries, keys, query_positions, reduce, key_mask)
+    if queries.device.type == "cuda" and queries.shape[2] > 0:
+        from kvcompress.kernels import attention_mass as kernel
+
+        if kernel.unsupported_reason(queries, keys) is None:
+            return kernel.attention_mass_kernel(
+                queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask
+            )
+    return attention_mass_torch(queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask)
+
+
+def _check_mass_inputs(queries, keys, query_positions, reduce, key_mask) -> None:
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce: must be one of 'sum', 'max', got {reduce!r}")
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"queries/keys: must be [b, h, m, d] / [b, h_kv, n, d], got {queries.shape} / {keys.shape}")
+    (batch, heads_q, m, dim), (kb, heads_kv, n, kd) = queries.shape, keys.shape
+    if kb != batch or kd != dim or heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"keys: shape {tuple(keys.shape)} does not match queries {tuple(queries.shape)} (GQA)")
+    if query_positions is not None and tuple(query_positions.shape) != (m,):
+        raise ValueError(f"query_positions: must have shape [{m}], got {tuple(query_positions.shape)}")
+    if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, n)):
+        got = f"{key_mask.dtype} {tuple(key_mask.shape)}"
+        raise ValueError(f"key_mask: must be a bool tensor of shape [{batch}, {n}], got {got}")
+
+
+def attention_mass_torch(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    query_positions: torch.Tensor | None = None,
+    *,
+    reduce: str = "sum",
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The PyTorch path of :func:`attention_mass` (same arguments and result): float32 softmax over query
+    chunks, each at most ``_CHUNK_ELEMENTS`` logits."""
     batch, heads_q, m, dim = queries.shape
     heads_kv, n = keys.shape[1], keys.shape[2]
     group = heads_q // heads_kv
     grouped = queries.reshape(batch, heads_kv, group, m, dim)
+    keys = keys.float()
+    hidden = None if key_mask is None else ~key_mask.to(keys.device)[:, None, None, None, :]
     total = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, batch * heads_q * n))
+    key_index = torch.arange(n, device=keys.device)
     for start in range(0, m, step):
-        chunk = grouped[:, :, :, start : start + step]
-        logits = torch.einsum("bhgmd,bhnd->bhgmn", chunk.float(), keys.float()) * scaling
-        positions = None if query_positions is None else query_positions[start : start + step]
-        probs = causal_softmax(logits, positions)
-        if reduce == "sum":
-            total += probs.sum(dim=(2, 3))
-        else:
-            total = torch.maximum(total, probs.amax(dim=(2, 3)))
+        chunk = grouped[:, :, :, start : start + step].float() * scaling
+        seen = n  # keys past every query of the chunk are skipped (a host sync: this is the CPU path)
+        if query_positions is not None:
+            positions = query_positions[start : start + step].to(keys.device)
+            seen = max(0, min(n, int(positions.max()) + 1))
+            if seen == 0:
+                continue
+        logits = torch.einsum("bhgmd,bhnd->bhgmn", chunk, keys[:, :, :seen])  # the one [.., m, n] buffer
+        if hidden is not None:
+            logits.masked_fill_(hidden[..., :seen], -math.inf)
+        if query_positions is not None:
+            logits.masked_fill_(key_index[:seen] > positions[:, None], -math.inf)
+        peak = logits.amax(-1, keepdim=True)
+        peak = torch.where(peak > -math.inf, peak, 0.0)  # a query that sees no key: all terms 0
+        probs = logits.sub_(peak).exp_()
+        total_row = probs.sum(-1)  # [b, h, g, c]
+        inverse = torch.where(total_row > 0, 1.0 / total_row, 0.0)
+        if reduce == "sum":  # sum_i e_ij / Z_i: one matrix-vector product per KV head
+            total[..., :seen] += torch.einsum("bhgmn,bhgm->bhn", probs, inverse)
+        elif seen:
+            total[..., :seen] = torch.maximum(total[..., :seen], probs.mul_(inverse[..., None]).amax(dim=(2, 3)))
+        del logits, probs
     return total
 
 

@@ -164,6 +164,10 @@ class WeightedSubsetPress(BasePress):
         """Repeat-pass queries kept per layer for a fit (subclasses with a fit override it)."""
         return 0
 
+    def repeat_positions(self, n: int, device: torch.device) -> torch.Tensor | None:
+        """Positions of an n-token context the repeat pass re-reads, in order; None: all of them."""
+        return None
+
     def compress_middle(
         self,
         module: torch.nn.Module,
@@ -214,7 +218,8 @@ class WeightedSubsetPress(BasePress):
             if module.layer_idx in self._pending:
                 pending = self._pending[module.layer_idx]
                 keys = cache.layers[module.layer_idx].keys[:, :, : pending["tokens"]]
-                record_repeat(module, kwargs, keys, pending["reference"], self.repeat_samples(), pending["tokens"])
+                samples, total = self.repeat_samples(), pending["repeat_tokens"]
+                record_repeat(module, kwargs, keys, pending["reference"], samples, total)
             restore_layer(cache, module.layer_idx, self._snapshot)
             return output
         if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
@@ -260,8 +265,14 @@ class WeightedSubsetPress(BasePress):
         for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
             row_cache = cache if index is None else row_view_cache(cache, b, index)
             row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]
+            pieces = self.repeat_positions(row_ids.shape[1], row_ids.device)
+            row_ids = row_ids if pieces is None else row_ids[:, pieces]
             self._pending = {
-                i: dict(reference=state["references"][b], tokens=row_cache.layers[i].keys.shape[-2])
+                i: dict(
+                    reference=state["references"][b],
+                    tokens=row_cache.layers[i].keys.shape[-2],
+                    repeat_tokens=row_ids.shape[1],
+                )
                 for i, state in pending.items()
             }
             self._repeating, self._snapshot = True, snapshot_layers(row_cache)

@@ -1,8 +1,11 @@
 import os
 
-# The suite runs on CPU: Triton kernels run in its interpreter. This must be set before anything imports
-# triton (transformers and kvpress do, at import), so it lives here rather than in the kernel test modules.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_mode import INTERPRET
+
+# Without CUDA, Triton kernels run in its interpreter; with CUDA, compiled (tests/triton_mode.py). This must be
+# set before anything imports triton (transformers and kvpress do, at import), so it lives here rather than in
+# the kernel test modules (importing torch does not import triton).
+os.environ.setdefault("TRITON_INTERPRET", "1" if INTERPRET else "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -32,7 +32,8 @@ def test_smoke_run_writes_every_section(tmp_path: Path, capsys: pytest.CaptureFi
     data = json.loads(output.read_text())
     assert data["smoke"] is True and data["device_type"] == "cpu" and data["device"].startswith("cpu")
     assert data["dtype"] == "float32"
-    assert set(data["section_s"]) == {"bandwidth", "kernels", "e2e"}
+    assert set(data["section_s"]) == {"bandwidth", "kernels", "e2e", "prefill"}
+    assert "[prefill] breakdown per setting" in printed
 
     bandwidth = data["bandwidth"]
     assert all(positive(bandwidth[k]) for k in ("gbps", "best_gbps", "median_s", "bytes_moved"))

@@ -13,6 +13,9 @@ Sections (``--only`` picks a subset; every timing is a median over repeats after
   tokens/s and peak memory for the full cache (sdpa, flash_attention_2 when flash_attn imports) and
   the compressed caches; and the attention part of a decode step alone: one layer's attention call on
   each cache (the model's attention function, and the raw kernels).
+* ``prefill``: the prefill of every press setting (no press, SnapKV, uniform, the paper's, the default, the
+  window source, the prefill's own queries non-causal and causal, a quarter repeat pass) broken down into
+  forward, repeat forward, attention mass, selection, fit and peak memory (``eval/speed/prefill.py``).
 
 On CUDA the timings use CUDA events; kernel timings zero an L2-sized buffer before each sample so that
 no cache stays warm between calls. On CPU (``--device cpu --smoke``) the same code paths run at tiny
@@ -20,7 +23,8 @@ sizes with ``time.perf_counter``: a smoke test, not a performance measurement.
 
 Run from the repository root: ``python -m eval.speed`` (defaults in ``configs/speed.yaml``). Modules: ``config``
 (settings, flags), ``clock`` (timing, backends), ``kernels`` (bandwidth and kernel rooflines), ``e2e`` (the
-random-weight model), ``report`` (goals, tables, environment), ``cli`` (the run).
+random-weight model), ``prefill`` (the prefill breakdown), ``report`` (goals, tables, environment), ``cli``
+(the run).
 """
 
 from eval.speed.cli import main, run

@@ -14,6 +14,7 @@ from eval.speed import kernels
 from eval.speed.clock import Clock, Notes, has_backend_keyword, release
 from eval.speed.config import DTYPES, Config, resolve_config, resolve_device
 from eval.speed.e2e import run_e2e
+from eval.speed.prefill import run_prefill_section
 from eval.speed.report import check_goals, environment, report
 
 
@@ -78,6 +79,10 @@ def run(cfg: Config, device: torch.device, dtype: torch.dtype, output: Path) -> 
             results["e2e"] = run_e2e(cfg, device, dtype, clock, notes, flush)
             release(device)
             sections["e2e"] = time.perf_counter() - tic
+        if "prefill" in cfg.only:
+            tic = time.perf_counter()
+            results["prefill_breakdown"] = run_prefill_section(cfg, device, dtype, clock, notes)
+            sections["prefill"] = time.perf_counter() - tic
     results["section_s"] = sections
     results["goals"] = check_goals(results)
     if cfg.smoke:

@@ -16,7 +16,7 @@ DESCRIPTION = (
     "Speed of CompressKV: copy bandwidth, kernel rooflines, and end-to-end prefill/decode on a random-weight model."
 )
 DEFAULT_CONFIG = Path("configs/speed.yaml")
-SECTIONS = ("bandwidth", "kernels", "e2e")
+SECTIONS = ("bandwidth", "kernels", "e2e", "prefill")
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -65,6 +65,7 @@ SMOKE = {
     "decode_heads": [[2, 2], [1, 3]],
     "model": SMOKE_MODEL,
     "prefill_lengths": [384, 512],
+    "breakdown_lengths": [384],
     "e2e_warmup": 1,
     "e2e_repeats": 2,
     "decode_context": 512,
@@ -106,6 +107,7 @@ class Config:
     sdpa_reference: bool = True
     model: dict[str, Any] = field(default_factory=lambda: dict(QWEN25_7B))
     prefill_lengths: list[int] = field(default_factory=lambda: [8192, 32768])
+    breakdown_lengths: list[int] = field(default_factory=lambda: [8192, 32768, 65536])  # eval/speed/prefill.py
     e2e_warmup: int = 1
     e2e_repeats: int = 3
     decode_context: int = 32768
@@ -125,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m eval.speed", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", type=Path, default=None, help=f"YAML with the same keys (default {DEFAULT_CONFIG})")
-    p.add_argument("--only", help="comma-separated sections: bandwidth,kernels,e2e (default all)")
+    p.add_argument("--only", help="comma-separated sections: bandwidth,kernels,e2e,prefill (default all)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="tensor and model dtype (default bfloat16)")
     p.add_argument("--output", help="JSON path (default results/speed/speed.json; speed_smoke.json with --smoke)")
@@ -145,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-batches", type=int, nargs="+", help="batch sizes for the decode kernel (default 1 4 16)")
     p.add_argument("--decode-heads", nargs="+", help="KVxGROUP pairs for the decode kernel (default 8x4 4x7)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", help="e2e prefill lengths (default 8192 32768)")
+    p.add_argument("--breakdown-lengths", type=int, nargs="+", help="prefill breakdown lengths (default 8k 32k 64k)")
     p.add_argument("--decode-context", type=int, help="e2e context before decoding (default 32768)")
     p.add_argument("--decode-batch", type=int, help="e2e decode batch size (default 1)")
     p.add_argument("--decode-tokens", type=int, help="e2e timed decode steps (default 64)")
@@ -199,6 +202,7 @@ def resolve_config(argv: list[str] | None = None) -> Config:
         *cfg.decode_lengths,
         *cfg.decode_batches,
         *cfg.prefill_lengths,
+        *cfg.breakdown_lengths,
     ]
     if min(sizes) < 1 or min(cfg.warmup, cfg.e2e_warmup, cfg.decode_warmup, cfg.flush_mib) < 0:
         raise ValueError("sizes, repeats and token counts must be >= 1; warm-ups and flush_mib >= 0")

@@ -47,7 +47,7 @@ def parse_spec(spec: str) -> PressSpec:
     if name not in NAMES:
         raise _error(spec, f"unknown press {name!r}; accepted names: {', '.join(NAMES)}")
     fields: dict[str, Any] = {}
-    for item in (body or "").split(","):
+    for item in re.split(r",(?![^\[]*\])", body or ""):  # commas inside a [list] value belong to it
         if not item.strip():
             continue
         key, sep, value = (part.strip() for part in item.partition("="))

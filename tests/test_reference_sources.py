@@ -1,0 +1,136 @@
+"""Reference sources of CompressKVPress (kvcompress.reference) on tiny random models: the prefill's own queries
+(non-causal "context", causal "accumulated"), a partial repeat pass, and the default's cache kept bit for bit
+(rows) by the fused / chunked mass and the blocked fit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcompress import CompressKVPress, fitting, reference
+from kvcompress.reference import post_rope_queries, spread_pieces
+from tests.test_press_options import compressed_cache, tokens
+from tests.tiny_models import tiny_model
+
+CONTEXT = 320
+
+
+def float64_mass(queries, keys, scaling, query_positions=None, *, reduce="sum", key_mask=None):
+    """The definition of attention_mass, dense in float64 (the default's math before the fused paths)."""
+    heads_kv = keys.shape[1]
+    grouped = queries.double().reshape(queries.shape[0], heads_kv, -1, queries.shape[2], queries.shape[3])
+    logits = scaling * torch.einsum("bhgmd,bhnd->bhgmn", grouped, keys.double())
+    if query_positions is not None:
+        logits = logits.masked_fill(torch.arange(keys.shape[2]) > query_positions[:, None], -math.inf)
+    probs = torch.softmax(logits, -1)
+    return (probs.sum((2, 3)) if reduce == "sum" else probs.amax((2, 3))).float()
+
+
+def dense_sums(prob, kept, owner, values, bins, k):
+    """fitting._sums by its definition: every kept row's cross sums against every position, then own bin."""
+    problems, m, n = prob.shape
+    a = prob.gather(2, kept[:, None, :].expand(-1, m, -1)).double()
+    blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)
+    gram = blocks @ blocks.transpose(-1, -2)
+    c_all = prob.double().transpose(1, 2) @ a  # [P, n, T * k]
+    own = (owner.clamp_min(0) * k)[..., None] + torch.arange(k)
+    c = c_all.gather(2, own) * (owner >= 0)[..., None]
+    mass = torch.zeros(problems, bins, k, dtype=torch.float64).scatter_add_(
+        1, owner.clamp_min(0)[..., None].expand(-1, -1, k), c
+    )
+    value_rhs = torch.einsum(
+        "pnk,pnd,pnt->ptkd", c, values, torch.nn.functional.one_hot(owner.clamp_min(0), bins).double()
+    )
+    return gram, mass, value_rhs
+
+
+def test_default_keeps_its_cache_under_the_reference_definitions(monkeypatch):
+    """The default's math did not change: the same rows, weights and values within float32 rounding."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    context = tokens(CONTEXT, 4)
+    now = compressed_cache(model, CompressKVPress(compression_ratio=0.75, seed=1), context)
+    monkeypatch.setattr(reference, "attention_mass", float64_mass)
+    monkeypatch.setattr(fitting, "_sums", dense_sums)
+    before = compressed_cache(model, CompressKVPress(compression_ratio=0.75, seed=1), context)
+    for layer, ref in zip(now.layers, before.layers, strict=True):
+        assert torch.equal(layer.keys, ref.keys)  # the same rows: kept keys are the cache's own rows
+        # The fit's cross sums are float32 products (relative ~1e-7 per term) fed to a ridge solve whose
+        # condition (<~ 1 / ridge = 10 times the bins' spread) amplifies them: 1e-4 of each tensor's scale.
+        for got, want in ((layer.row_weights, ref.row_weights), (layer.values, ref.values)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+        assert not torch.equal(layer.row_weights, torch.ones_like(layer.row_weights))  # the fit ran
+
+
+@pytest.mark.parametrize("source", ["context", "accumulated"])
+def test_prefill_sources_are_the_mass_of_all_prefill_queries(source, monkeypatch):
+    model = tiny_model("qwen2", num_hidden_layers=2)
+    context = tokens(CONTEXT, 2)
+    seen = {}
+    layer = model.model.layers[1].self_attn
+    layer.register_forward_pre_hook(
+        lambda m, a, kw: seen.update(kw) if "hidden_states" in kw else None, with_kwargs=True
+    )
+    record = reference.record_prefill
+
+    def spy(module, kwargs, keys, sources, window, samples):
+        result = record(module, kwargs, keys, sources, window, samples)
+        if module is layer:
+            seen["keys"], seen["reference"] = keys, result
+        return result
+
+    monkeypatch.setattr("kvcompress.presses.record_prefill", spy)
+    press = CompressKVPress(compression_ratio=0.75, reference=(source,), fit_queries=16)
+    cache = compressed_cache(model, press, context)
+    assert cache.layers[1].keys.shape[2] == int(CONTEXT * 0.25)
+    queries = post_rope_queries(layer, seen["hidden_states"], seen["position_embeddings"])
+    positions = torch.arange(CONTEXT) if source == "accumulated" else None
+    expected = float64_mass(queries, seen["keys"], layer.scaling, positions)
+    got = seen["reference"].mass[source]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.sum(-1), torch.full_like(got.sum(-1), CONTEXT * 2.0))  # group 2, 1 per query
+    fit_queries, fit_positions = seen["reference"].fit_queries()
+    assert fit_queries.shape[2] == 16 and len(fit_positions) == 16
+    if source == "context":  # used non-causally: every fit query sees every key
+        assert torch.all(fit_positions == CONTEXT - 1)
+    else:
+        assert torch.equal(fit_positions, reference.even_sample(CONTEXT, 16))
+
+
+def test_spread_pieces_and_the_partial_repeat_pass(monkeypatch):
+    assert spread_pieces(1000, 1.0, 128) is None
+    pieces = spread_pieces(1000, 0.25, 128)  # 8 pieces of 128 (the last one 104 tokens): 2 kept, spread
+    assert torch.equal(pieces, torch.cat([torch.arange(0, 128), torch.arange(896, 1000)]))
+    assert len(spread_pieces(1000, 1e-6, 128)) == 104  # at least one piece: the last
+    assert torch.equal(spread_pieces(1000, 0.99, 128), torch.arange(1000))
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    context = tokens(CONTEXT, 3)
+    calls = []
+    record = reference.record_repeat
+
+    def spy(module, kwargs, keys, ref, samples, total):
+        calls.append((kwargs["hidden_states"].shape[1], total))
+        return record(module, kwargs, keys, ref, samples, total)
+
+    monkeypatch.setattr("kvcompress.weighted_press.record_repeat", spy)
+    press = CompressKVPress(compression_ratio=0.75, repeat_fraction=0.5, repeat_span=40, repeat_chunk=64)
+    cache = compressed_cache(model, press, context)
+    assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
+    # 8 pieces of 40 tokens, 4 re-read (160 tokens) in chunks of 64: per layer 64 + 64 + 32 queries.
+    assert calls == [(64, 160), (64, 160), (64, 160), (64, 160), (32, 160), (32, 160)]
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match=r"repeat_fraction: must be a number in \(0, 1\]"):
+            CompressKVPress(repeat_fraction=bad)
+    with pytest.raises(ValueError, match="repeat_span"):
+        CompressKVPress(repeat_span=0)
+
+
+def test_press_specs_take_lists_of_sources():
+    from kvcompress.fidelity.specs import make_press, parse_spec
+
+    spec = parse_spec("compresskv[reference=[window,context],repeat_fraction=0.5]")
+    assert spec.fields == {"reference": ["window", "context"], "repeat_fraction": 0.5}
+    press = make_press(spec, 0.25)
+    assert press.reference == ("window", "context") and press.repeat_fraction == 0.5
