@@ -1,11 +1,14 @@
 import os
 
-# The suite runs on CPU: Triton kernels run in its interpreter. This must be set before anything imports
-# triton (transformers and kvpress do, at import), so it lives here rather than in the kernel test modules.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without CUDA, Triton kernels run in its interpreter on CPU tensors; with CUDA they run compiled. This must be
+# set before anything imports triton (transformers and kvpress do, at import), so it lives here rather than in
+# the kernel test modules (importing torch does not import triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 torch.set_num_threads(2)
 

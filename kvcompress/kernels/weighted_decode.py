@@ -28,6 +28,7 @@ Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU tensors
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -100,7 +101,7 @@ def _attend_tiles(
 
 @triton.jit
 def _weighted_split_kernel(
-    q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr,
+    q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr, offset_ptr,
     H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
@@ -112,9 +113,12 @@ def _weighted_split_kernel(
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, OFFSET_PTR: tl.constexpr,
 ):  # fmt: skip
-    """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``."""
+    """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``.
+    ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step)."""
+    if OFFSET_PTR:
+        causal_offset = tl.load(offset_ptr).to(tl.int32)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     rblock = tl.program_id(2)
@@ -276,45 +280,56 @@ def choose_num_splits(n: int, programs_per_split: int, block_n: int, sm_count: i
     return max(1, min(wanted, max_splits))
 
 
-def weighted_decode_attention(
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the launcher derives from shapes and options (cached per shape: no per-call planning)."""
+
+    grid: tuple[int, int, int]
+    rows: int
+    n_read: int
+    causal_offset: int
+    split_len: int
+    num_splits: int
+    block_r: int
+    block_n: int
+    block_d: int
+    block_dv: int
+    num_warps: int
+    dot_fp32: bool
+    reduce_block_s: int
+    reduce_warps: int
+
+
+_PLANS: dict[tuple, LaunchPlan] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_DUMMIES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_CACHE_LIMIT = 256  # distinct shapes kept (a dynamic cache changes n every step; a static one never)
+
+
+def launch_plan(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    scaling: float,
-    v_min: torch.Tensor | None = None,
-    v_max: torch.Tensor | None = None,
-    causal_offset: int | None = None,
-    key_mask: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    block_r: int | None = None,
-    num_stages: int = 2,
-    max_new_tokens: int | None = MAX_NEW_TOKENS,
-) -> torch.Tensor:
-    """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
-    ``[b, h_kv, n, d_v]`` cache.
-
-    ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; ``key_mask`` ``[b, n]`` bool (False:
-    a key no query of that row sees); any strides, no copies. Inputs must already be validated
-    (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass ``unsupported_reason``.
-    ``num_splits`` / ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16)
-    override the heuristics (tests, tuning); ``num_stages``: Triton's software pipelining depth. Accumulates
-    in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
-    """
-    reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
-    if reason is not None:
-        raise ValueError(f"weighted attention kernel: {reason}")
+    causal_offset: int | torch.Tensor | None,
+    num_splits: int | None,
+    block_n: int | None,
+    block_r: int | None,
+) -> LaunchPlan:
+    """The cached launch plan for these shapes (``causal_offset`` a tensor: read on device, all n rows planned)."""
+    on_device = isinstance(causal_offset, torch.Tensor)
+    key = (tuple(queries.shape), tuple(keys.shape), values.shape[3], queries.dtype, queries.device,
+           "device" if on_device else causal_offset, num_splits, block_n, block_r)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
     batch, heads_q, m, dim = queries.shape
     _, heads_kv, n, _ = keys.shape
     d_v = values.shape[3]
-    group = heads_q // heads_kv
-    rows = group * m
-
-    # Keys past causal_offset + m - 1 are invisible to every row: never read them.
-    c = n if causal_offset is None else min(causal_offset, n)
-    n_read = min(n, c + m)
+    rows = heads_q // heads_kv * m
+    # Keys past causal_offset + m - 1 are invisible to every row: never read them (a device offset: plan all n,
+    # the kernel still skips the invisible tiles).
+    c = n if causal_offset is None or on_device else min(causal_offset, n)
+    n_read = n if on_device else min(n, c + m)
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(d_v)
     wide = max(block_d, block_dv) > 128
     if block_r is None:
@@ -326,39 +341,119 @@ def weighted_decode_attention(
         num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, _sm_count(queries.device))
     split_len = triton.cdiv(triton.cdiv(n_read, block_n), num_splits) * block_n
     num_splits = triton.cdiv(n_read, split_len)  # no empty splits
+    plan = LaunchPlan(
+        grid=(batch * heads_kv, num_splits, row_blocks),
+        rows=rows,
+        n_read=n_read,
+        causal_offset=c,
+        split_len=split_len,
+        num_splits=num_splits,
+        block_r=block_r,
+        block_n=block_n,
+        block_d=block_d,
+        block_dv=block_dv,
+        num_warps=8 if block_r * block_dv >= 128 * 128 else 4,
+        # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep bf16 tensor-core dots).
+        dot_fp32=queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16),
+        reduce_block_s=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
+        reduce_warps=4 if block_dv >= 256 else 2,
+    )
+    if len(_PLANS) >= _CACHE_LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
+
+def _workspace(device: torch.device, pairs: int, plan: LaunchPlan, d_v: int) -> tuple[torch.Tensor, ...]:
+    """Stage-1 partials ``(m, den, acc)``, reused across calls of one shape. Calls on one stream run in order,
+    so a later call overwrites them only after stage 2 of the earlier one has read them."""
+    key = (device, pairs, plan.num_splits, plan.rows, d_v)
+    space = _WORKSPACES.get(key)
+    if space is None:
+        mpart = torch.empty(pairs, plan.num_splits, plan.rows, dtype=torch.float32, device=device)
+        npart = torch.empty(pairs, plan.num_splits, plan.rows, d_v, dtype=torch.float32, device=device)
+        if len(_WORKSPACES) >= _CACHE_LIMIT:
+            _WORKSPACES.clear()
+        space = _WORKSPACES[key] = (mpart, torch.empty_like(mpart), npart)
+    return space
+
+
+def _dummies(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholders for absent optional inputs (never read: their HAS_* flag is off)."""
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = (
+            torch.zeros(1, 1, 1, dtype=dtype, device=device),
+            torch.zeros(1, 1, dtype=torch.uint8, device=device),
+        )
+    return _DUMMIES[key]
+
+
+def weighted_decode_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    scaling: float,
+    v_min: torch.Tensor | None = None,
+    v_max: torch.Tensor | None = None,
+    causal_offset: int | torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    block_r: int | None = None,
+    num_stages: int = 2,
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
+    check: bool = True,
+) -> torch.Tensor:
+    """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
+    ``[b, h_kv, n, d_v]`` cache.
+
+    ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; ``key_mask`` ``[b, n]`` bool (False:
+    a key no query of that row sees); any strides, no copies. ``causal_offset``: an int, or a one-element int
+    tensor on the inputs' device that the kernel reads (no host sync; static caches). Inputs must already be
+    validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
+    ``unsupported_reason`` (``check=False`` skips that test: callers that already made it). ``num_splits`` /
+    ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16) override the heuristics
+    (tests, tuning); ``num_stages``: Triton's software pipelining depth. Launch plans and the split partials are
+    cached per shape. Accumulates in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
+    """
+    if check:
+        reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
+        if reason is not None:
+            raise ValueError(f"weighted attention kernel: {reason}")
+    plan = launch_plan(queries, keys, values, causal_offset, num_splits, block_n, block_r)
+    batch, heads_q, m, dim = queries.shape
+    heads_kv, d_v = keys.shape[1], values.shape[3]
     out = torch.empty(batch, heads_q, m, d_v, dtype=values.dtype, device=values.device)
-    final = num_splits == 1
-    if final:
-        mpart = dpart = npart = out  # unused
-    else:
-        mpart = torch.empty(batch * heads_kv, num_splits, rows, dtype=torch.float32, device=out.device)
-        dpart = torch.empty_like(mpart)
-        npart = torch.empty(batch * heads_kv, num_splits, rows, d_v, dtype=torch.float32, device=out.device)
-    lo_t = v_min if v_min is not None else out.new_zeros(1, 1, 1)
-    hi_t = v_max if v_max is not None else out.new_zeros(1, 1, 1)
-    mask_t = key_mask.view(torch.uint8) if key_mask is not None else out.new_zeros(1, 1, dtype=torch.uint8)
-    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep bf16 tensor-core dots).
-    dot_fp32 = queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16)
-    num_warps = 8 if block_r * block_dv >= 128 * 128 else 4
+    final = plan.num_splits == 1
+    mpart, dpart, npart = (out, out, out) if final else _workspace(out.device, batch * heads_kv, plan, d_v)
+    dummy, dummy_mask = _dummies(out.device, values.dtype)
+    lo_t = v_min if v_min is not None else dummy
+    hi_t = v_max if v_max is not None else dummy
+    mask_t = key_mask.view(torch.uint8) if key_mask is not None else dummy_mask
+    on_device = isinstance(causal_offset, torch.Tensor)
+    offset_t = causal_offset if on_device else dummy_mask
 
-    _weighted_split_kernel[(batch * heads_kv, num_splits, row_blocks)](
-        queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart,
-        heads_kv, group, n_read, rows, m, split_len, c, scaling * LOG2E,
+    _weighted_split_kernel[plan.grid](
+        queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
+        heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
+        scaling * LOG2E,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
-        D=dim, DV=d_v, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, HAS_MASK=key_mask is not None, FINAL=final,
-        DOT_FP32=dot_fp32,
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_FP32=plan.dot_fp32, OFFSET_PTR=on_device,
+        num_warps=plan.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not final:
-        _weighted_decode_reduce_kernel[(batch * heads_kv * rows,)](
+        _weighted_decode_reduce_kernel[(batch * heads_kv * plan.rows,)](
             mpart, dpart, npart, lo_t, hi_t, out,
-            heads_kv, rows, num_splits,
+            heads_kv, plan.rows, plan.num_splits,
             *lo_t.stride(), *hi_t.stride(),
-            DV=d_v, BLOCK_S=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dv,
+            DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv,
             HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None,
-            num_warps=4 if block_dv >= 256 else 2,
+            num_warps=plan.reduce_warps,
         )  # fmt: skip
     return out
