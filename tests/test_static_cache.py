@@ -152,3 +152,24 @@ def test_pipeline_with_a_static_cache_answers_as_with_the_dynamic_one(setup):  #
     cache = StaticWeightedCache(max_new_tokens=64)
     static = pipe(context, questions=QUESTIONS, press=press, max_new_tokens=10, cache=cache)["answers"]
     assert static == dynamic and cache.is_compileable
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled Triton kernel need CUDA")
+def test_cuda_graph_decode_runs_the_kernel_and_equals_eager():
+    """On CUDA: generate's decode compiled with mode="reduce-overhead" (CUDA graphs) over the static cache runs
+    the Triton kernel with its causal offset read on the device, and gives the eager dynamic cache's tokens."""
+    torch._dynamo.reset()
+    model = tiny_model("llama").cuda()
+    ids, question = random_ids(300, seed=14).cuda(), random_ids(4, seed=15).cuda()
+    cache = prefill(model, PRESSES["default"](), ids)
+    expected = answer(model, copy.deepcopy(cache), ids, None, question)
+    static = StaticWeightedCache.from_compressed(cache, max_new_tokens=16)
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
+    full = torch.cat([ids, question], 1)
+    with torch.no_grad():
+        out = model.generate(
+            full, past_key_values=static, max_new_tokens=6, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=0, compile_config=config,
+        )  # fmt: skip
+    assert torch.equal(out.sequences[:, full.shape[1] :], expected[0])
+    torch.testing.assert_close(torch.stack(out.logits, 1), expected[1], **TOL)

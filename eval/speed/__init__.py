@@ -13,6 +13,11 @@ Sections (``--only`` picks a subset; every timing is a median over repeats after
   tokens/s and peak memory for the full cache (sdpa, flash_attention_2 when flash_attn imports) and
   the compressed caches; and the attention part of a decode step alone: one layer's attention call on
   each cache (the model's attention function, and the raw kernels).
+* ``decode`` (``eval/speed/decode.py``): ms per decode step, tokens/s and peak memory per cache variant: the
+  full cache eager (sdpa) and static + ``torch.compile``; an unweighted static cache of the kept size, compiled
+  (the floor for a compressed cache); SnapKV eager; CompressKV eager and compiled over a
+  ``StaticWeightedCache``; at each of ``decode_contexts`` x ``decode_batch_sizes``. One layer's attention call
+  is timed from Python and replayed in a CUDA graph.
 
 On CUDA the timings use CUDA events; kernel timings zero an L2-sized buffer before each sample so that
 no cache stays warm between calls. On CPU (``--device cpu --smoke``) the same code paths run at tiny
@@ -20,7 +25,8 @@ sizes with ``time.perf_counter``: a smoke test, not a performance measurement.
 
 Run from the repository root: ``python -m eval.speed`` (defaults in ``configs/speed.yaml``). Modules: ``config``
 (settings, flags), ``clock`` (timing, backends), ``kernels`` (bandwidth and kernel rooflines), ``e2e`` (the
-random-weight model), ``report`` (goals, tables, environment), ``cli`` (the run).
+random-weight model), ``decode`` (compiled and eager decode steps), ``report`` (goals, tables, environment),
+``cli`` (the run).
 """
 
 from eval.speed.cli import main, run

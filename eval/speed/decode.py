@@ -42,11 +42,10 @@ ATTENTION_VARIANTS = ("full/eager", "ours/eager", "ours/compiled")
 
 
 def repeat_batch(cache, batch: int):
-    """The batch-1 ``cache`` repeated to ``batch`` identical rows (a new cache; DynamicLayer / WeightedLayer)."""
+    """The batch-1 ``cache`` repeated to ``batch`` identical rows: a new cache (the decode steps of one variant
+    never reach another's), DynamicLayer / WeightedLayer layers."""
     from transformers import DynamicCache
 
-    if batch == 1:
-        return cache
     out = WeightedDynamicCache() if isinstance(cache, WeightedDynamicCache) else DynamicCache()
     for layer in cache.layers:
         keys, values = layer.keys.repeat(batch, 1, 1, 1), layer.values.repeat(batch, 1, 1, 1)

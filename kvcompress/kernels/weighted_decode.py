@@ -118,7 +118,9 @@ def _weighted_split_kernel(
     """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``.
     ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step)."""
     if OFFSET_PTR:
-        causal_offset = tl.load(offset_ptr).to(tl.int32)
+        offset = tl.load(offset_ptr).to(tl.int32)
+    else:
+        offset = causal_offset
     bh = tl.program_id(0)
     split = tl.program_id(1)
     rblock = tl.program_id(2)
@@ -138,13 +140,13 @@ def _weighted_split_kernel(
     q = tl.load(q_ptrs, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    last_key = causal_offset + token  # row sees keys l <= last_key
+    last_key = offset + token  # row sees keys l <= last_key
 
     # Keys [lo, full) are visible to every row of the block; keys past `hi` to none.
     lo = split * split_len
     split_hi = tl.minimum(lo + split_len, N)
-    hi = tl.minimum(split_hi, causal_offset + tl.max(tl.where(r_mask, token, 0), 0) + 1)
-    full = tl.minimum(hi, causal_offset + tl.min(tl.where(r_mask, token, M), 0) + 1)
+    hi = tl.minimum(split_hi, offset + tl.max(tl.where(r_mask, token, 0), 0) + 1)
+    full = tl.minimum(hi, offset + tl.min(tl.where(r_mask, token, M), 0) + 1)
     full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
     k_base = k_ptr + b * s_kb + h * s_kh
