@@ -240,13 +240,15 @@ class StaticWindowLayer(CacheLayerMixin):
         setattr(self.keys, _TAG, self)
 
     def _keep(self, name: str, new: torch.Tensor | None) -> None:
-        """Assigning a view of the ring (kvpress's pipeline slicing to the token count) keeps the ring: the
-        rewind to the end of the context happens when the next step's masks are built."""
+        """Assigning a view of the ring (kvpress's pipeline slicing every layer back after an answer) keeps the
+        ring and restores it to the end of the context."""
         old = self.__dict__.get(name)
         if old is None or new is None or new is old:
             self.__dict__[name] = new
         elif new.data_ptr() != old.data_ptr():
             raise RuntimeError("kvcompress: a static window layer keeps its ring; cut the cache back with crop(...)")
+        elif name == "_keys":
+            self.rewind(self.context_tokens)  # the only point a window layer can go back to
 
     keys = property(lambda self: self.__dict__.get("_keys"), lambda self, new: self._keep("_keys", new))
     values = property(lambda self: self.__dict__.get("_values"), lambda self, new: self._keep("_values", new))

@@ -6,11 +6,13 @@ in every layer. After the prefill our presses replace each sliding layer, whatev
 :class:`WindowLayer` holding the last ``sliding_window - 1`` tokens (transformers' own rule, what
 ``DynamicCache(config=...)`` holds), and it stays at that size while decoding.
 
-Rewinding: kvpress's pipeline answers several questions on one context by cutting the other layers back to
-the end of the context after each answer. A window layer cannot be cut back (older tokens were dropped), so
-it keeps its rows at the end of the context (``context_keys``; shared with ``keys`` until the first new token)
-and restores them when the cache's token count says the cache was rewound there (see
-:class:`kvcompress.cache.WeightedDynamicCache`); a rewind anywhere else raises ``ValueError``.
+Rewinding: kvpress's pipeline answers several questions on one context by cutting every layer back to its
+length before the answer (``layer.keys = layer.keys[:, :, :length]``, a no-op view on a window layer). A
+window layer cannot be cut back (older tokens were dropped), so it keeps its rows at the end of the context
+(``context_keys``; shared with ``keys`` until the first new token) and restores them when its keys are
+reassigned that way from outside, on ``crop`` to the end of the context, or when the cache's token count says
+the cache was cut back there (see :class:`kvcompress.cache.WeightedDynamicCache`); any other rewind raises
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,28 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.cumulative_length = self.context_tokens = tokens
         self.context_keys, self.context_values = self.keys, self.values
 
+    def _assign(self, name: str, new: torch.Tensor | None) -> None:
+        """kvpress's pipeline cuts every layer back after an answer (``keys[:, :, :length]``, a same-shape view
+        here, of the current tensor or of the one the previous assignment just replaced): the only point a window
+        layer can go back to is the end of its context, so such an assignment from outside restores it."""
+        old = self.__dict__.get(name)
+        outside = not self.__dict__.get("_updating", False) and old is not None and new is not None
+        seen = {old.data_ptr()} | self.__dict__.get("_dropped", set()) if outside else set()
+        if outside and new is not old and new.data_ptr() in seen and new.shape[-2] >= old.shape[-2]:
+            self.rewind(self.context_tokens)
+            return
+        self.__dict__[name] = new
+
+    keys = property(lambda self: self.__dict__.get("_keys"), lambda self, new: self._assign("_keys", new))
+    values = property(lambda self: self.__dict__.get("_values"), lambda self, new: self._assign("_values", new))
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        self._updating, self._dropped = True, set()
+        try:
+            return super().update(key_states, value_states, cache_kwargs)
+        finally:
+            self._updating = False
+
     def rewind(self, tokens: int) -> None:
         """Make the layer stand for the first ``tokens`` tokens: a no-op at its current count, a restore at the
         end of its context; ``ValueError`` elsewhere."""
@@ -62,7 +86,8 @@ class WindowLayer(DynamicSlidingWindowLayer):
                 f"max_length: a sliding-window layer after a press can go back only to the end of its "
                 f"{self.context_tokens}-token context (it holds {self.cumulative_length} tokens), got {tokens}"
             )
-        self.keys, self.values = self.context_keys, self.context_values
+        self._dropped = {self.keys.data_ptr(), self.values.data_ptr()}
+        self.__dict__["_keys"], self.__dict__["_values"] = self.context_keys, self.context_values
         self.cumulative_length = self.context_tokens
 
     def crop(self, max_length: int) -> None:
@@ -72,11 +97,19 @@ class WindowLayer(DynamicSlidingWindowLayer):
             self.rewind(max_length)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
+        self._updating = True
+        try:
+            super().batch_repeat_interleave(repeats)
+        finally:
+            self._updating = False
         self.context_keys, self.context_values = self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
+        self._updating = True
+        try:
+            super().batch_select_indices(indices)
+        finally:
+            self._updating = False
         self.context_keys, self.context_values = self.keys, self.values
 
 

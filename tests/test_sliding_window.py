@@ -20,6 +20,7 @@ from kvcompress.cache import WeightedLayer, cache_bytes
 from kvcompress.static_cache import StaticWeightedCache, StaticWindowLayer
 from kvcompress.window import WindowLayer, layer_windows
 from tests.test_padding import answer, prefill, random_ids
+from tests.test_pipeline import QUESTIONS, setup  # noqa: F401  (its fixture: a tiny model with a real tokenizer)
 from tests.tiny_models import tiny_model
 
 WINDOW, CONTEXT, TOL = 16, 200, dict(rtol=1e-5, atol=1e-5)
@@ -98,6 +99,54 @@ def test_second_question_after_cut_back_equals_a_fresh_cache(static):
     again = answer(model, cache, ids, None, questions[1])
     assert torch.equal(again[0], fresh[0])
     torch.testing.assert_close(again[1], fresh[1], **TOL)
+
+
+def test_mistral_style_windows_on_every_layer():
+    """Every layer sliding (Mistral-style): nothing is compressed, every layer is cut to its window, the outputs
+    stay the model's, and a second question after the pipeline's cut-back equals a fresh cache's."""
+    model = tiny_model("mistral", sliding_window=WINDOW)
+    ids, question = random_ids(CONTEXT, seed=16), random_ids(5, seed=17)
+    cache = prefill(model, press(), ids)
+    assert all(isinstance(layer, WindowLayer) and layer.keys.shape[-2] == WINDOW - 1 for layer in cache.layers)
+    fresh = answer(model, copy.deepcopy(cache), ids, None, question)
+    whole = DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=ids, past_key_values=whole)
+    expected = answer(model, whole, ids, None, question)
+    assert torch.equal(fresh[0], expected[0])
+    torch.testing.assert_close(fresh[1], expected[1], **TOL)
+    lengths = [cache.get_seq_length(i) for i in range(len(cache.layers))]
+    answer(model, cache, ids, None, random_ids(3, seed=18))
+    cut_back(cache, lengths)
+    again = answer(model, cache, ids, None, question)
+    assert torch.equal(again[0], fresh[0])
+    torch.testing.assert_close(again[1], fresh[1], **TOL)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_pipeline_questions_together_equal_each_alone_on_gemma3(setup, static):  # noqa: F811
+    """kvpress's pipeline on a Gemma 3 model: two questions on one compressed context give, call for call, the
+    logits each gives alone (the window layers go back to the end of the context between questions). Logits,
+    not strings: this tiny random Gemma 3 answers every question with newlines."""
+    from transformers import pipeline
+
+    tokenizer, context = setup[1], setup[3]
+    model = tiny_model("gemma3", vocab_size=len(tokenizer), sliding_window=WINDOW, seed=3)
+    model.generation_config.eos_token_id = -1  # never stop early: the same number of calls every run
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    logits: list[torch.Tensor] = []
+    model.register_forward_hook(lambda module, args, output: logits.append(output.logits[0, -1].clone()))
+
+    def run(questions: list[str]) -> list[torch.Tensor]:
+        logits.clear()
+        cache = {"cache": StaticWeightedCache(max_new_tokens=64)} if static else {}
+        pipe(context, questions=questions, press=press(), max_new_tokens=6, **cache)
+        return list(logits)
+
+    together = run(QUESTIONS)
+    alone = run(QUESTIONS[:1]) + run(QUESTIONS[1:])
+    assert len(together) == len(alone) == 12
+    torch.testing.assert_close(torch.stack(together), torch.stack(alone), **TOL)
 
 
 def test_rewinding_a_window_layer_elsewhere_is_refused():
