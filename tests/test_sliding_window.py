@@ -175,6 +175,16 @@ def test_static_cache_keeps_windows_in_a_ring():
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4)
 
 
+def test_static_window_layers_refuse_to_write_past_the_preallocated_rows():
+    model = gemma()
+    ids = random_ids(CONTEXT, seed=19)
+    static = StaticWeightedCache.from_compressed(prefill(model, press(), ids), max_new_tokens=3)
+    with torch.no_grad():
+        model(input_ids=random_ids(3, seed=20), past_key_values=static)
+        with pytest.raises(ValueError, match="StaticWeightedCache is full"):  # the window layer 0 runs first
+            model(input_ids=random_ids(1, seed=21), past_key_values=static)
+
+
 @pytest.mark.slow
 def test_compiled_decode_over_windows_is_one_graph_and_equals_eager():
     """Gemma 3's sliding layers in the static cache need no host counter: one graph for 2 x window steps."""

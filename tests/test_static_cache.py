@@ -127,6 +127,24 @@ def test_writing_past_the_preallocated_rows_raises():
         StaticWeightedCache.from_compressed(DynamicCache(), max_new_tokens=4)
 
 
+@pytest.mark.slow  # an inductor compile (~15-35 s on the shared CPU); CI runs it
+def test_compiled_step_past_the_preallocated_rows_raises():
+    """Inside an inductor-compiled step the capacity check is a device-side assertion with the same message."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = random_ids(150, seed=12)
+    static = StaticWeightedCache.from_compressed(prefill(model, PRESSES["default"](), ids), max_new_tokens=2)
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    position = torch.tensor([ids.shape[1]])
+    with torch.no_grad():
+        for i in range(2):
+            step(input_ids=random_ids(1, seed=i), past_key_values=static, cache_position=position + i,
+                 position_ids=(position + i)[None], use_cache=True)  # fmt: skip
+        with pytest.raises(RuntimeError, match="StaticWeightedCache is full.*max_new_tokens"):
+            step(input_ids=random_ids(1, seed=2), past_key_values=static, cache_position=position + 2,
+                 position_ids=(position + 2)[None], use_cache=True)  # fmt: skip
+
+
 def test_crop_back_restarts_the_clip_range_and_reuses_rows():
     """Answering twice after cutting back to the context gives the same as answering once (pipeline pattern)."""
     model = tiny_model("llama")
