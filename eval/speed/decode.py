@@ -147,9 +147,14 @@ def build_variant(variant: str, model, ids: torch.Tensor, batch: int, cfg: Confi
         forward = torch.compile(model.forward, **options)
     else:
         forward = model.forward
-    first_row = context if not isinstance(cache, WeightedDynamicCache) else cache.layers[-1].keys.shape[-2]
-    if variant == "ours/compiled":
-        first_row = ids.shape[1]  # a static compressed cache takes token positions
+    # cache_position as generate passes it: the row index for transformers' caches (a SnapKV cache holds its kept
+    # rows), the token count for compressed caches (get_seq_length() of a WeightedDynamicCache; static: the same)
+    if variant in ("snapkv/eager", "ours/eager"):
+        first_row = cache.get_seq_length()
+    elif variant == "ours/compiled":
+        first_row = ids.shape[1]
+    else:
+        first_row = context
     return cache, forward, first_row
 
 
