@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
-from transformers.utils import is_torchdynamo_compiling
 
 from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedDynamicCache, WeightedLayer
@@ -86,19 +85,11 @@ class StaticWeightedCache(WeightedDynamicCache):
         return next((layer for layer in self.layers if not isinstance(layer, (WindowLayer, StaticWindowLayer))), None)
 
     def _sync_windows(self, cache_position: torch.Tensor | None) -> None:
-        if is_torchdynamo_compiling():  # a compiled step never rewinds (eager steps check)
-            return
-        windows = [layer for layer in self.layers if isinstance(layer, StaticWindowLayer)]
-        if not windows:
-            return super()._sync_windows(cache_position)
-        if self._reference_layer() is not None:
-            tokens = self.get_seq_length()
-        elif cache_position is not None and cache_position.numel():
-            tokens = int(cache_position[0])
-        else:
-            return
-        for layer in windows:
-            layer.rewind(tokens)
+        """Nothing per step: static window layers go back to the end of the context on ``crop`` or when the
+        pipeline cuts the layers back (their keys setter), never by reading a count from the device (``generate``
+        builds the masks eagerly every step; a read there would be a host sync per step)."""
+        if not any(isinstance(layer, StaticWindowLayer) for layer in self.layers):
+            super()._sync_windows(cache_position)
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         if layer_idx is None:
