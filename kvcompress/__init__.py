@@ -4,7 +4,16 @@ from kvcompress.attention import weighted_attention
 from kvcompress.lambert import lambert_w0
 from kvcompress.nystrom import compress_kv, rpnys, temperature
 
-__all__ = ["CompressKVPress", "UniformPress", "compress_kv", "lambert_w0", "rpnys", "temperature", "weighted_attention"]
+__all__ = [
+    "CompressKVPress",
+    "StaticWeightedCache",
+    "UniformPress",
+    "compress_kv",
+    "lambert_w0",
+    "rpnys",
+    "temperature",
+    "weighted_attention",
+]
 __version__ = "0.1.0"
 
 
@@ -14,4 +23,8 @@ def __getattr__(name: str):
         from kvcompress import presses
 
         return getattr(presses, name)
+    if name == "StaticWeightedCache":
+        from kvcompress import static_cache
+
+        return static_cache.StaticWeightedCache
     raise AttributeError(f"module 'kvcompress' has no attribute {name!r}")

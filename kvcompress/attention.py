@@ -108,6 +108,28 @@ def weighted_attention(
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
 
 
+def weighted_attention_unchecked(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    scaling: float,
+    v_min: torch.Tensor | None = None,
+    v_max: torch.Tensor | None = None,
+    causal_offset: int | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``weighted_attention(..., backend="auto", check_finite=False)`` without its argument checks: for callers
+    whose inputs are model activations of known shapes (the attention function runs this every layer and step)."""
+    if queries.device.type == "cuda":
+        kernel = _triton_kernel(queries, keys, values, weights, v_min, v_max, required=False)
+        if kernel is not None:
+            return kernel(queries, keys, values, weights, scaling=scaling, v_min=v_min, v_max=v_max,
+                          causal_offset=causal_offset, key_mask=key_mask, check=False)  # fmt: skip
+    return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
+
+
 def _triton_kernel(queries, keys, values, weights, v_min, v_max, required: bool):
     """The Triton launcher for these validated inputs (decode kernel up to ``MAX_NEW_TOKENS`` new tokens, the
     multi-token kernel above), or None where it cannot run them; ``required``: raise instead of None."""

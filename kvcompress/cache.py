@@ -54,6 +54,11 @@ class WeightedLayer(DynamicLayer):
         self.is_initialized = True
         self.value_min, self.value_max = value_min, value_max  # [b, h_kv, d_v]
         self.position_offset = tokens - keys.shape[-2]  # tokens represented minus rows held
+        # Per-step state kept across steps (nothing recomputed over the whole cache per step): the weights and
+        # key mask of every row in buffers that grow by doubling, and the clip range over the rows seen so far.
+        self._weights_buf = self.row_weights
+        self._mask_buf: torch.Tensor | None = None
+        self._range = (value_min, value_max, self.context_rows)  # (v_min, v_max, rows covered)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -71,6 +76,8 @@ class WeightedLayer(DynamicLayer):
                     "(ComposedPress, DecodingPress, PrefillDecodingPress, ...) cannot run on a kvcompress cache; "
                     "crop it only back to the end of its context (cache.crop) or use the press on its own"
                 )
+        if old is not None and new is not None and (new.shape[-2] < old.shape[-2] or new.shape[0] != old.shape[0]):
+            self._range = (self.value_min, self.value_max, self.context_rows)  # rows were cut back: start again
         self._keys = new
 
     @property
@@ -88,14 +95,19 @@ class WeightedLayer(DynamicLayer):
         return self.get_seq_length() + self.position_offset + cache_position.shape[0], 0
 
     def weights_for(self, rows: int) -> torch.Tensor:
-        """Weights of the first ``rows`` cached rows: the coreset's, then 1 for later tokens."""
+        """Weights of the first ``rows`` cached rows: the coreset's, then 1 for later tokens (a view of a buffer
+        that grows by doubling: no concatenation per step)."""
         if rows < self.context_rows:
             raise RuntimeError(
                 f"kvcompress: the cache was cut to {rows} rows, inside its {self.context_rows}-row compressed "
                 "context; crop a compressed cache only back to the end of its context or later"
             )
-        extra = self.row_weights.new_ones(*self.row_weights.shape[:2], rows - self.context_rows)
-        return torch.cat([self.row_weights, extra], dim=-1)
+        if rows > self._weights_buf.shape[-1]:
+            capacity = max(rows, 2 * self._weights_buf.shape[-1])
+            grown = self.row_weights.new_ones(*self.row_weights.shape[:2], capacity)
+            grown[..., : self.context_rows] = self.row_weights
+            self._weights_buf = grown
+        return self._weights_buf[..., :rows]
 
     def key_mask(self, rows: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """``[b, rows]`` bool, False on filler rows and on padded later tokens; None when every row is real.
@@ -110,26 +122,41 @@ class WeightedLayer(DynamicLayer):
             tail = last if last.dtype == torch.bool else last == 0
         if self.row_valid is None and tail is None:
             return None
-        context = self.row_valid
-        if context is None:
-            context = torch.ones(self.row_weights.shape[0], self.context_rows, dtype=torch.bool, device=self.device)
+        buf = self._mask_buf
+        if buf is None or rows > buf.shape[-1]:  # context part written once; grows by doubling
+            capacity = max(rows, 2 * self.context_rows)
+            buf = torch.ones(self.row_weights.shape[0], capacity, dtype=torch.bool, device=self.device)
+            if self.row_valid is not None:
+                buf[:, : self.context_rows] = self.row_valid
+            self._mask_buf = buf
         if tail is None:
-            tail = torch.ones(context.shape[0], later, dtype=torch.bool, device=context.device)
-        return torch.cat([context, tail.to(context.device)], dim=-1)
+            buf[:, self.context_rows : rows] = True
+        else:
+            buf[:, self.context_rows : rows] = tail.to(buf.device)
+        return buf[:, :rows]
 
     def value_range(
         self, values: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[v_min, v_max]`` over the compressed context and every real row after it in ``values``."""
-        later = values[:, :, self.context_rows :]
-        if later.shape[-2] == 0:
-            return self.value_min, self.value_max
-        later = later.to(self.value_min.dtype)
-        low, high = later, later
-        if key_mask is not None:  # padded later rows do not widen the range
-            real = key_mask[:, None, self.context_rows :, None]
-            low, high = later.masked_fill(~real, float("inf")), later.masked_fill(~real, float("-inf"))
-        return torch.minimum(self.value_min, low.amin(-2)), torch.maximum(self.value_max, high.amax(-2))
+        """``[v_min, v_max]`` over the compressed context and every real row after it in ``values``.
+
+        Kept up to date incrementally: each call folds in only the rows appended since the last one (rows are
+        only appended, or cut back, which the ``keys`` setter notices and which restarts from the context's range).
+        """
+        rows = values.shape[-2]
+        low, high, covered = self._range
+        if rows < covered:
+            low, high, covered = self.value_min, self.value_max, self.context_rows
+        if rows > covered:
+            new = values[:, :, covered:rows].to(self.value_min.dtype)
+            new_low, new_high = new, new
+            if key_mask is not None:  # padded later rows do not widen the range
+                real = key_mask[:, None, covered:rows, None]
+                new_low, new_high = new.masked_fill(~real, float("inf")), new.masked_fill(~real, float("-inf"))
+            low, high = torch.minimum(low, new_low.amin(-2)), torch.maximum(high, new_high.amax(-2))
+            covered = rows
+        self._range = (low, high, covered)
+        return low, high
 
 
 def layer_of(keys: torch.Tensor) -> WeightedLayer | None:
@@ -138,15 +165,47 @@ def layer_of(keys: torch.Tensor) -> WeightedLayer | None:
 
 
 class WeightedDynamicCache(DynamicCache):
-    """A DynamicCache with at least one compressed layer (see the module docstring for lengths)."""
+    """A DynamicCache with at least one compressed or window-trimmed layer (see the module docstring for lengths).
+
+    Token counts come from the first layer that is not a sliding window (rows held plus the tokens its rows
+    stand for); window layers (:class:`kvcompress.window.WindowLayer`) follow that count: when the other layers
+    were cut back to the end of the context (kvpress's pipeline between questions), they restore their rows there
+    before the next step's masks are built."""
+
+    def _reference_layer(self):
+        from kvcompress.window import WindowLayer
+
+        return next((layer for layer in self.layers if not isinstance(layer, WindowLayer)), None)
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         if layer_idx is not None:
             return super().get_seq_length(layer_idx)
         if not self.layers:
             return 0
-        first = self.layers[0]
+        first = self._reference_layer() or self.layers[0]
         return first.get_seq_length() + getattr(first, "position_offset", 0)
+
+    def _sync_windows(self, cache_position: torch.Tensor | None) -> None:
+        """Rewind every window layer to the cache's token count (host ints; a device read only when every layer
+        is a window layer). Runs where the masks are built, before any layer of the step is updated."""
+        from kvcompress.window import WindowLayer
+
+        windows = [layer for layer in self.layers if isinstance(layer, WindowLayer)]
+        if not windows:
+            return
+        if self._reference_layer() is not None:
+            tokens = self.get_seq_length()
+        elif cache_position is not None and cache_position.numel():
+            tokens = int(cache_position[0])
+        else:
+            return
+        for layer in windows:
+            layer.rewind(tokens)
+
+    def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:
+        if getattr(self.layers[layer_idx] if layer_idx < len(self.layers) else None, "is_sliding", False):
+            self._sync_windows(cache_position)
+        return super().get_mask_sizes(cache_position, layer_idx)
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (counted like ``get_seq_length()``); negative: drop from the end."""
@@ -162,22 +221,56 @@ class WeightedDynamicCache(DynamicCache):
                 )
             layer.crop(rows)
 
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{kind}: {count} layers, {rows} rows" for kind, (count, rows) in layer_kinds(self).items())
+        return f"{type(self).__name__}(tokens={self.get_seq_length()}; {kinds})"
 
-def cache_bytes(cache: DynamicCache) -> int:
+
+def layer_kind(layer: object) -> str:
+    """``"compressed"`` (weighted rows), ``"window"`` (a sliding-window layer) or ``"full"`` (every token)."""
+    if isinstance(getattr(layer, "row_weights", None), torch.Tensor):
+        return "compressed"
+    return "window" if getattr(layer, "is_sliding", False) else "full"
+
+
+def layer_rows(layer: object) -> int:
+    """Rows a layer's attention reads (its key tensor's length; preallocated rows of a static layer included)."""
+    keys = getattr(layer, "keys", None)
+    return keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
+
+
+def layer_kinds(cache: DynamicCache) -> dict[str, tuple[int, int]]:
+    """Per layer kind (see :func:`layer_kind`), ``(layers, rows summed over them)``."""
+    kinds: dict[str, tuple[int, int]] = {}
+    for layer in cache.layers:
+        count, rows = kinds.get(layer_kind(layer), (0, 0))
+        kinds[layer_kind(layer)] = (count + 1, rows + layer_rows(layer))
+    return kinds
+
+
+_STATE = ("keys", "values", "row_weights", "row_valid", "value_min", "value_max", "context_keys", "context_values")
+
+
+def cache_bytes(cache: DynamicCache, by_kind: bool = False) -> int | dict[str, int]:
     """Bytes a cache holds: the storage behind every layer's keys and values and, on compressed layers, the row
-    weights, the filler mask and the value range (filler rows included: they are held).
+    weights, the filler mask and the value range (filler rows included: they are held); on window layers the
+    rows kept to rewind to the end of the context. ``by_kind``: a dict per layer kind (:func:`layer_kind`).
 
     Storage, not view size: a slice that keeps a larger buffer alive counts the whole buffer; a buffer shared by
     several tensors counts once.
     """
-    storages: dict[tuple[str, int], int] = {}
+    storages: dict[tuple[str, int], tuple[str, int]] = {}
     for layer in cache.layers:
-        names = ("keys", "values", "row_weights", "row_valid", "value_min", "value_max")
-        for tensor in (getattr(layer, name, None) for name in names):
+        for tensor in (getattr(layer, name, None) for name in _STATE):
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
-                storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+                storages.setdefault((str(tensor.device), storage.data_ptr()), (layer_kind(layer), storage.nbytes()))
+    if not by_kind:
+        return sum(nbytes for _, nbytes in storages.values())
+    kinds: dict[str, int] = {}
+    for kind, nbytes in storages.values():
+        kinds[kind] = kinds.get(kind, 0) + nbytes
+    return kinds
 
 
 def check_cache(cache: object) -> None:

@@ -13,7 +13,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvcompress.attention import weighted_attention
+import kvcompress.ops  # noqa: F401  (registers torch.ops.kvcompress.weighted_attention_rows)
+from kvcompress.attention import weighted_attention_unchecked
 from kvcompress.cache import layer_of
 
 ATTENTION_NAME = "kvcompress"
@@ -40,10 +41,21 @@ def kvcompress_attention(
         return ALL_ATTENTION_FUNCTIONS["sdpa"](
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    if getattr(layer, "is_sliding", False):  # a static window layer: stock sdpa under its ring's mask
+        mask = layer.window_mask(attention_mask)
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return sdpa(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if getattr(layer, "is_compileable", False):  # a static layer: visibility on the device, one custom op
+        key_mask, offset, v_min, v_max = layer.attention_inputs(attention_mask)
+        out = torch.ops.kvcompress.weighted_attention_rows(
+            query, key, value, layer.row_weights, key_mask, offset, v_min, v_max, scaling
+        )
+        return out.transpose(1, 2).contiguous(), None
     rows, q_len = key.shape[-2], query.shape[-2]
     key_mask = layer.key_mask(rows, attention_mask)
     v_min, v_max = layer.value_range(value, key_mask)
-    out = weighted_attention(
+    out = weighted_attention_unchecked(
         query,
         key,
         value,
@@ -53,7 +65,6 @@ def kvcompress_attention(
         v_max=v_max,
         causal_offset=rows - q_len,
         key_mask=key_mask,
-        check_finite=False,  # model activations, not user input: no device sync per layer and step
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -42,6 +42,7 @@ from kvcompress.cache import WeightedLayer, check_cache, install_compressed_laye
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, row_view_cache, stack_rows
 from kvcompress.reference import LayerReference, record_repeat, repeat_context, restore_layer, snapshot_layers
+from kvcompress.window import layer_windows, trim_to_windows
 
 logger = hf_logging.get_logger(__name__)
 
@@ -107,6 +108,8 @@ class WeightedSubsetPress(BasePress):
     _entered: bool = field(default=False, init=False, repr=False, compare=False)
     _snapshot: list = field(default_factory=list, init=False, repr=False, compare=False)
     _attention_mask: Any = field(default=None, init=False, repr=False, compare=False)
+    _windows: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _prefilled: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_number("compression_ratio", self.compression_ratio, 0, 1)
@@ -132,6 +135,7 @@ class WeightedSubsetPress(BasePress):
             names = ", ".join(cls.__name__ for cls in SUPPORTED_MODELS)
             raise ValueError(f"model: {type(model).__name__} is not supported by {type(self).__name__}; use {names}")
         use_weighted_attention(model)
+        self._windows = layer_windows(model)
 
     def budget(self, n: int) -> int:
         """Rows kept per head for an n-token context (kvpress ScorerPress's count)."""
@@ -197,6 +201,7 @@ class WeightedSubsetPress(BasePress):
                 hooks = [decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
                 if "repeat" in self.reference_sources():
                     hooks.append(decoder.register_forward_hook(self._after_prefill, with_kwargs=True))
+                hooks.append(decoder.register_forward_hook(self._finish_prefill, with_kwargs=True))
                 try:
                     yield
                 finally:
@@ -204,15 +209,35 @@ class WeightedSubsetPress(BasePress):
                         hook.remove()
         finally:
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
+            self._prefilled = False
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Decoder pre-hook: remember the call's padding mask (the repeat pass's own calls are ours)."""
         if not self._repeating:
             self._attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
 
+    def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Decoder forward hook, after any repeat pass: sliding layers cut to their window
+        (:mod:`kvcompress.window`), and a :class:`kvcompress.static_cache.StaticWeightedCache` made static."""
+        if self._repeating or not self._prefilled:
+            return
+        self._prefilled = False
+        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
+        if cache is None:
+            return
+        trim_to_windows(cache, self._windows, self._attention_mask)
+        from kvcompress.static_cache import StaticWeightedCache
+
+        if isinstance(cache, StaticWeightedCache):
+            cache.freeze()
+
     def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
-        if getattr(module, "is_sliding", False):
-            return output  # Gemma3 sliding layers stay exact
+        n = kwargs["hidden_states"].shape[1]
+        if not self._repeating and self.plan(n) is not None and is_prefilling(kwargs["cache_position"], n):
+            self._prefilled = True  # a prefill this press compresses: sliding layers are cut after it
+        window = self._windows[module.layer_idx] if module.layer_idx < len(self._windows) else None
+        if getattr(module, "is_sliding", False) or window is not None:
+            return output  # sliding layers stay exact (cut to their window after the prefill)
         hidden_states, cache = kwargs["hidden_states"], kwargs["past_key_values"]
         if self._repeating:
             if module.layer_idx in self._pending:

@@ -1,6 +1,7 @@
 """Triton weighted decode kernel (kvcompress.kernels.weighted_decode) against the PyTorch reference.
 
-Runs on CPU through the Triton interpreter: TRITON_INTERPRET must be set before triton is imported.
+Runs on CPU through the Triton interpreter (TRITON_INTERPRET must be set before triton is imported), and
+compiled on CUDA tensors where CUDA is present (``DEVICE``).
 """
 
 from __future__ import annotations
@@ -8,13 +9,15 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it, CPU interpreter mode)")
-
-import torch  # noqa: E402
 
 from kvcompress import weighted_attention  # noqa: E402
 from kvcompress.kernels import weighted_decode  # noqa: E402
@@ -25,8 +28,9 @@ if not weighted_decode.INTERPRET and not torch.cuda.is_available():
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def make_inputs(batch, heads_q, heads_kv, m, n, d, dtype, *, clip=False, seed=0, d_v=None):
-    """Random decode inputs; some weights negative; KV head 0 of batch row 0 has only negative weights."""
+def make_inputs(batch, heads_q, heads_kv, m, n, d, dtype, *, clip=False, seed=0, d_v=None, device=None):
+    """Random decode inputs on ``device`` (default ``DEVICE``); some weights negative; KV head 0 of batch row 0
+    has only negative weights."""
     gen = torch.Generator().manual_seed(seed)
     d_v = d if d_v is None else d_v
     q = torch.randn(batch, heads_q, m, d, generator=gen).to(dtype)
@@ -38,7 +42,9 @@ def make_inputs(batch, heads_q, heads_kv, m, n, d, dtype, *, clip=False, seed=0,
     if clip:
         bounds["v_min"] = -0.05 - 0.1 * torch.rand(batch, heads_kv, d_v, generator=gen)
         bounds["v_max"] = 0.05 + 0.1 * torch.rand(batch, heads_kv, d_v, generator=gen)
-    return q, k, v, w, bounds
+    device = DEVICE if device is None else device
+    bounds = {name: bound.to(device) for name, bound in bounds.items()}
+    return q.to(device), k.to(device), v.to(device), w.to(device), bounds
 
 
 def check_close(out, ref, dtype):
@@ -87,12 +93,26 @@ def test_split_counts_and_early_causal_offset_agree():
     check_close(weighted_attention(q, k, v, w, backend="triton"), ref, torch.float32)
 
 
+def test_causal_offset_read_on_device_equals_the_host_int():
+    """A one-element int64 tensor as causal offset (static caches: no host value per step) gives the int's
+    result, split or not, for one and several new tokens."""
+    for m, offset in ((1, 1236), (5, 1000), (3, 0)):
+        q, k, v, w, bounds = make_inputs(2, 8, 2, m, 1237, 64, torch.float32, clip=True, seed=m)
+        ref = weighted_attention(q, k, v, w, causal_offset=offset, backend="torch", **bounds)
+        device_offset = torch.tensor([offset], device=q.device)
+        for splits in (None, 1, 5):
+            out = weighted_decode.weighted_decode_attention(
+                q, k, v, w, scaling=0.125, causal_offset=device_offset, num_splits=splits, **bounds
+            )
+            check_close(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_key_mask_padding_and_filler(dtype):
     """Left-padded, right-padded and filler keys (split across several splits) are invisible, as in the reference."""
     batch, n, m = 3, 700, 4
     q, k, v, w, bounds = make_inputs(batch, 6, 2, m, n, 64, dtype, clip=True, seed=5)
-    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask = torch.ones(batch, n, dtype=torch.bool, device=q.device)
     mask[0, :250] = False  # left padding longer than a split
     mask[1, 300:400] = False  # filler rows inside the compressed context
     mask[2, n - m - 30 : n - m] = False  # right padding before the new tokens
@@ -109,8 +129,8 @@ def test_many_rows_strided_cache_and_odd_dims():
     batch, heads_kv, n = 2, 1, 150
     q, _, _, w, _ = make_inputs(batch, 16, heads_kv, 16, n, 80, torch.float32, seed=3)
     gen = torch.Generator().manual_seed(4)
-    k = torch.randn(batch, n, heads_kv, 80, generator=gen).transpose(1, 2)
-    v = torch.randn(batch, n, heads_kv, 48, generator=gen).transpose(1, 2)
+    k = torch.randn(batch, n, heads_kv, 80, generator=gen).to(DEVICE).transpose(1, 2)
+    v = torch.randn(batch, n, heads_kv, 48, generator=gen).to(DEVICE).transpose(1, 2)
     w = w.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous weights, same values
     out = weighted_attention(q, k, v, w, causal_offset=n - 16, backend="triton")
     check_close(out, weighted_attention(q, k, v, w, causal_offset=n - 16, backend="torch"), torch.float32)
@@ -121,7 +141,7 @@ def test_auto_uses_torch_on_cpu(monkeypatch):
         raise AssertionError("auto must not call the kernel on CPU tensors")
 
     monkeypatch.setattr(weighted_decode, "weighted_decode_attention", fail)
-    q, k, v, w, bounds = make_inputs(1, 4, 2, 1, 50, 16, torch.float32, clip=True)
+    q, k, v, w, bounds = make_inputs(1, 4, 2, 1, 50, 16, torch.float32, clip=True, device="cpu")
     out = weighted_attention(q, k, v, w, **bounds)
     assert torch.equal(out, weighted_attention(q, k, v, w, backend="torch", **bounds))
 
@@ -164,7 +184,7 @@ def test_decode_launcher_rejects_more_than_16_new_tokens():
 
 def test_triton_needs_cuda_outside_interpreter(monkeypatch):
     monkeypatch.setattr(weighted_decode, "INTERPRET", False)
-    q, k, v, w, _ = make_inputs(1, 2, 1, 1, 20, 16, torch.float32)
+    q, k, v, w, _ = make_inputs(1, 2, 1, 1, 20, 16, torch.float32, device="cpu")
     with pytest.raises(ValueError, match="CUDA"):
         weighted_attention(q, k, v, w, backend="triton")
 

@@ -1,6 +1,7 @@
 """Triton multi-token weighted attention kernel (kvcompress.kernels.weighted_prefill) against the references.
 
-Runs on CPU through the Triton interpreter (TRITON_INTERPRET=1, set by conftest before triton is imported).
+Runs on CPU through the Triton interpreter (TRITON_INTERPRET=1, set by conftest before triton is imported), and
+compiled on CUDA tensors where CUDA is present.
 Tolerances as for the decode kernel (``TOL``: fp32 1e-5, fp16 2e-3, bf16 1.6e-2, absolute and relative); the
 PyTorch reference is itself checked against the float64 reference with the same tolerance.
 """
@@ -9,14 +10,16 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it, CPU interpreter mode)")
 
-import torch  # noqa: E402
-from test_kernel_weighted_decode import check_close, make_inputs  # noqa: E402
+from test_kernel_weighted_decode import DEVICE, check_close, make_inputs  # noqa: E402
 
 from kvcompress import weighted_attention  # noqa: E402
 from kvcompress.kernels import weighted_decode, weighted_prefill  # noqa: E402
@@ -75,7 +78,7 @@ def test_tiles_splits_and_row_blocks_across_heads_agree(block_r, block_n, splits
 def test_key_mask_left_right_padding_and_filler(dtype, splits):
     batch, n, m = 3, 160, 24
     q, k, v, w, bounds = make_inputs(batch, 4, 2, m, n, 32, dtype, clip=True, seed=9)
-    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask = torch.ones(batch, n, dtype=torch.bool, device=q.device)
     mask[0, :70] = False  # left padding longer than a tile and a split
     mask[1, 40:60] = False  # filler rows inside the compressed context
     mask[2, n - m - 25 : n - m] = False  # right padding before the new tokens
@@ -91,18 +94,18 @@ def test_key_mask_left_right_padding_and_filler(dtype, splits):
     mask[0] = False
     out = weighted_attention(q, k, v, w, backend="triton", **kwargs)
     low, high = (bounds[name][0].repeat_interleave(2, 0)[:, None, :] for name in ("v_min", "v_max"))
-    assert torch.equal(out[0], torch.zeros(4, m, 32).clamp(low, high).to(dtype))
+    assert torch.equal(out[0], torch.zeros(4, m, 32, device=q.device).clamp(low, high).to(dtype))
 
 
 def test_non_contiguous_strides_and_odd_dims():
     """Queries [b, m, h, d] and a cache [b, n, h, d] viewed head-major; d = 48, d_v = 32; strided w and clip range."""
     batch, heads_q, heads_kv, m, n = 2, 4, 2, 33, 100
     gen = torch.Generator().manual_seed(12)
-    q = torch.randn(batch, m, heads_q, 48, generator=gen).transpose(1, 2)
-    k = torch.randn(batch, n, heads_kv, 48, generator=gen).transpose(1, 2)
-    v = torch.randn(batch, n, heads_kv, 32, generator=gen).transpose(1, 2)
-    w = (torch.rand(batch, n, heads_kv, generator=gen) * 2 - 0.3).transpose(1, 2)
-    v_max = (0.1 + torch.rand(batch, 32, heads_kv, generator=gen)).transpose(1, 2)
+    q = torch.randn(batch, m, heads_q, 48, generator=gen).to(DEVICE).transpose(1, 2)
+    k = torch.randn(batch, n, heads_kv, 48, generator=gen).to(DEVICE).transpose(1, 2)
+    v = torch.randn(batch, n, heads_kv, 32, generator=gen).to(DEVICE).transpose(1, 2)
+    w = (torch.rand(batch, n, heads_kv, generator=gen) * 2 - 0.3).to(DEVICE).transpose(1, 2)
+    v_max = (0.1 + torch.rand(batch, 32, heads_kv, generator=gen)).to(DEVICE).transpose(1, 2)
     assert not any(x.is_contiguous() for x in (q, k, v, w, v_max))
     kwargs = {"causal_offset": n - m, "v_max": v_max}
     out = weighted_attention(q, k, v, w, backend="triton", **kwargs)
@@ -127,6 +130,7 @@ def test_dispatch_by_number_of_new_tokens(monkeypatch):
     for m in (16, 17):
         q, k, v, w, _ = make_inputs(1, 2, 1, m, 40, 16, torch.float32, seed=m)
         weighted_attention(q, k, v, w, causal_offset=40 - m, backend="triton")
+        q, k, v, w = (x.cpu() for x in (q, k, v, w))
         weighted_attention(q, k, v, w, causal_offset=40 - m)  # auto, CPU tensors: the reference
     assert calls == ["weighted_decode_attention", "weighted_prefill_attention"]
 

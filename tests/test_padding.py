@@ -157,7 +157,7 @@ def test_triton_decode_kernel_on_a_padded_batch_equals_the_reference(side, monke
         calls.append(kwargs["key_mask"] is not None)
         return weighted_attention(*args, **kwargs, backend="triton")
 
-    monkeypatch.setattr(hf_attention, "weighted_attention", triton_attention)
+    monkeypatch.setattr(hf_attention, "weighted_attention_unchecked", triton_attention)
     tokens, logits = answer(model, prefill(model, make(), ids, mask), ids, mask, question)
     assert calls and all(calls)  # every call ran the kernel with a padding mask
     assert torch.equal(tokens, reference[0])

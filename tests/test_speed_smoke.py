@@ -15,6 +15,7 @@ TINY = [
     "--compress-n", "384", "--decode-lengths", "256", "--decode-batches", "1", "2", "--decode-heads", "2x2",
     "--prefill-lengths", "384", "--decode-context", "384", "--decode-tokens", "2", "--repeats", "2",
     "--backends", "torch",  # deterministic whatever TRITON_INTERPRET other test modules set
+    "--decode-contexts", "256", "--decode-batch-sizes", "1", "2", "--only", "bandwidth,kernels,e2e,decode",
 ]  # fmt: skip
 
 
@@ -27,12 +28,12 @@ def test_smoke_run_writes_every_section(tmp_path: Path, capsys: pytest.CaptureFi
     assert speed.main([*TINY, "--output", str(output)]) == 0
     printed = capsys.readouterr().out
     for title in ("[bandwidth]", "[kernels] compress_kv", "[kernels] weighted_attention", "[e2e] prefill",
-                  "[e2e] decode", "[e2e] attention part", "[goals]"):  # fmt: skip
+                  "[e2e] decode", "[e2e] attention part", "[goals]", "[decode] greedy decode step"):  # fmt: skip
         assert title in printed
     data = json.loads(output.read_text())
     assert data["smoke"] is True and data["device_type"] == "cpu" and data["device"].startswith("cpu")
     assert data["dtype"] == "float32"
-    assert set(data["section_s"]) == {"bandwidth", "kernels", "e2e", "prefill"}
+    assert set(data["section_s"]) == {"bandwidth", "kernels", "e2e", "prefill", "decode"}
     assert "[prefill] breakdown per setting" in printed
 
     bandwidth = data["bandwidth"]
@@ -62,6 +63,20 @@ def test_smoke_run_writes_every_section(tmp_path: Path, capsys: pytest.CaptureFi
         assert row["peak_decode_gib"] is None  # CUDA-only measurement
     full, _, compressed = e2e["decode"]
     assert compressed["cache_rows"] <= 384 // 4 < full["cache_rows"] == 384
+
+    steps = data["decode"]["steps"]  # every cache variant at both batch sizes, compiled ones included
+    assert [(r["variant"], r["batch"]) for r in steps] == [(v, b) for v in speed.decode.VARIANTS for b in (1, 2)]
+    for row in steps:
+        assert "error" not in row, row
+        assert positive(row["step_ms"]) and positive(row["tokens_per_s"]) and positive(row["cache_gib"]), row
+    rows = {(r["variant"], r["batch"]): r["cache_rows"] for r in steps}
+    assert rows[("full/eager", 2)] == 256 and rows[("kept/static+compile", 1)] == 64 + 4  # kept + new-token rows
+    assert rows[("ours/eager", 1)] == 64 and rows[("ours/compiled", 1)] == 64 + 4
+    calls = data["decode"]["attention"]
+    assert {r["variant"] for r in calls} == set(speed.decode.ATTENTION_VARIANTS)
+    assert all(positive(r["python_s"]) and positive(r["host_s"]) and r["cuda_graph_s"] is None for r in calls)
+    for goal in data["decode"]["goals"]:
+        assert goal["compiled_vs_floor"] and goal["speedup_vs_full"] and goal["ours_attention_host_us"], goal
 
     goals = data["goals"]
     assert {"prefill_overhead", "decode_roofline", "attention_speedup", "note"} <= set(goals)

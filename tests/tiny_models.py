@@ -37,7 +37,7 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, *
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kwargs))
     elif family == "mistral":
-        model = MistralForCausalLM(MistralConfig(sliding_window=None, **kwargs))
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **kwargs}))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
     elif family == "qwen3":

@@ -16,6 +16,11 @@ Sections (``--only`` picks a subset; every timing is a median over repeats after
 * ``prefill``: the prefill of every press setting (no press, SnapKV, uniform, the paper's, the default, the
   window source, the prefill's own queries non-causal and causal, a quarter repeat pass) broken down into
   forward, repeat forward, attention mass, selection, fit and peak memory (``eval/speed/prefill.py``).
+* ``decode`` (``eval/speed/decode.py``): ms per decode step, tokens/s and peak memory per cache variant: the
+  full cache eager (sdpa) and static + ``torch.compile``; an unweighted static cache of the kept size, compiled
+  (the floor for a compressed cache); SnapKV eager; CompressKV eager and compiled over a
+  ``StaticWeightedCache``; at each of ``decode_contexts`` x ``decode_batch_sizes``. One layer's attention call
+  is timed from Python and replayed in a CUDA graph.
 
 On CUDA the timings use CUDA events; kernel timings zero an L2-sized buffer before each sample so that
 no cache stays warm between calls. On CPU (``--device cpu --smoke``) the same code paths run at tiny
@@ -23,8 +28,8 @@ sizes with ``time.perf_counter``: a smoke test, not a performance measurement.
 
 Run from the repository root: ``python -m eval.speed`` (defaults in ``configs/speed.yaml``). Modules: ``config``
 (settings, flags), ``clock`` (timing, backends), ``kernels`` (bandwidth and kernel rooflines), ``e2e`` (the
-random-weight model), ``prefill`` (the prefill breakdown), ``report`` (goals, tables, environment), ``cli``
-(the run).
+random-weight model), ``prefill`` (the prefill breakdown), ``decode`` (compiled and eager decode steps), ``report``
+(goals, tables, environment), ``cli`` (the run).
 """
 
 from eval.speed.cli import main, run

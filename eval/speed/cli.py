@@ -13,6 +13,7 @@ import torch
 from eval.speed import kernels
 from eval.speed.clock import Clock, Notes, has_backend_keyword, release
 from eval.speed.config import DTYPES, Config, resolve_config, resolve_device
+from eval.speed.decode import format_decode, run_decode
 from eval.speed.e2e import run_e2e
 from eval.speed.prefill import run_prefill_section
 from eval.speed.report import check_goals, environment, report
@@ -83,13 +84,18 @@ def run(cfg: Config, device: torch.device, dtype: torch.dtype, output: Path) -> 
             tic = time.perf_counter()
             results["prefill_breakdown"] = run_prefill_section(cfg, device, dtype, clock, notes)
             sections["prefill"] = time.perf_counter() - tic
+        if "decode" in cfg.only:
+            tic = time.perf_counter()
+            results["decode"] = run_decode(cfg, device, dtype, clock, notes)
+            release(device)
+            sections["decode"] = time.perf_counter() - tic
     results["section_s"] = sections
     results["goals"] = check_goals(results)
     if cfg.smoke:
         results["goals"]["note"] = "smoke run at tiny sizes: these values are NOT performance claims"
     results["total_s"] = time.perf_counter() - start
     results["notes"] = list(notes)
-    print("\n" + report(results))
+    print("\n" + report(results) + ("\n" + format_decode(results["decode"]) if "decode" in results else ""))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"\nwrote {output}; total {results['total_s']:.1f} s")

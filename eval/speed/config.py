@@ -16,7 +16,7 @@ DESCRIPTION = (
     "Speed of CompressKV: copy bandwidth, kernel rooflines, and end-to-end prefill/decode on a random-weight model."
 )
 DEFAULT_CONFIG = Path("configs/speed.yaml")
-SECTIONS = ("bandwidth", "kernels", "e2e", "prefill")
+SECTIONS = ("bandwidth", "kernels", "e2e", "prefill", "decode")
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -71,6 +71,11 @@ SMOKE = {
     "decode_context": 512,
     "decode_tokens": 4,
     "decode_warmup": 1,
+    "decode_contexts": [256],
+    "decode_batch_sizes": [1, 2],
+    "decode_steps": 2,
+    "decode_step_warmup": 2,
+    "compile_backend": "eager",  # dynamo's full-graph capture without inductor's code generation (seconds on CPU)
 }
 GOALS = {
     "prefill_overhead_max": 0.02,  # CompressKV prefill / no-press prefill - 1, longest prefill length
@@ -118,6 +123,13 @@ class Config:
     attn_implementations: list[str] = field(default_factory=lambda: ["sdpa", "flash_attention_2"])
     snapkv_window: int = 64
     snapkv_kernel: int = 5
+    # decode section (eval/speed/decode.py): cache variants at each context and batch size
+    decode_contexts: list[int] = field(default_factory=lambda: [8192, 32768])
+    decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    decode_steps: int = 32
+    decode_step_warmup: int = 4
+    compile_mode: str = "reduce-overhead"  # CUDA graphs; "default" / "max-autotune-no-cudagraphs" also valid
+    compile_backend: str = "inductor"
 
 
 
@@ -127,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m eval.speed", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", type=Path, default=None, help=f"YAML with the same keys (default {DEFAULT_CONFIG})")
-    p.add_argument("--only", help="comma-separated sections: bandwidth,kernels,e2e,prefill (default all)")
+    p.add_argument("--only", help="comma-separated sections: bandwidth,kernels,e2e,prefill,decode (default all)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="tensor and model dtype (default bfloat16)")
     p.add_argument("--output", help="JSON path (default results/speed/speed.json; speed_smoke.json with --smoke)")
@@ -153,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, help="e2e timed decode steps (default 64)")
     p.add_argument("--model-layers", type=int, help="override the model's num_hidden_layers (shorter e2e runs)")
     p.add_argument("--attn-implementations", nargs="+", help="full-cache attention (default sdpa flash_attention_2)")
+    p.add_argument("--decode-contexts", type=int, nargs="+", help="decode section: contexts (default 8192 32768)")
+    p.add_argument("--decode-batch-sizes", type=int, nargs="+", help="decode section: batch sizes (default 1 8)")
+    p.add_argument("--decode-steps", type=int, help="decode section: timed steps per variant (default 32)")
+    p.add_argument("--compile-mode", help="decode section: torch.compile mode (default reduce-overhead)")
+    p.add_argument("--compile-backend", help="decode section: torch.compile backend (default inductor)")
     return p
 
 
@@ -203,6 +220,9 @@ def resolve_config(argv: list[str] | None = None) -> Config:
         *cfg.decode_batches,
         *cfg.prefill_lengths,
         *cfg.breakdown_lengths,
+        cfg.decode_steps,
+        *cfg.decode_contexts,
+        *cfg.decode_batch_sizes,
     ]
     if min(sizes) < 1 or min(cfg.warmup, cfg.e2e_warmup, cfg.decode_warmup, cfg.flush_mib) < 0:
         raise ValueError("sizes, repeats and token counts must be >= 1; warm-ups and flush_mib >= 0")

@@ -33,17 +33,24 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.launch import (  # noqa: F401  (the tiling constants and heuristic, re-exported)
+    DEFAULT_SM_COUNT,
+    MAX_BLOCK_ROWS,
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    REDUCE_CHUNK,
+    SPLITS_PER_SM,
+    choose_num_splits,
+    dummies,
+    launch_plan,
+    workspace,
+)
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NEW_TOKENS = 16  # m: one decode step, or a short chunk of new tokens (speculative / chunked prefill tail)
 MAX_HEAD_DIM = 256
-MAX_BLOCK_ROWS = 128  # rows (= group * m) per program; more rows -> a third grid axis over row blocks
-MIN_KEYS_PER_SPLIT = 256  # a split's partials (rows * (d_v + 2) fp32) stay <~ 10% of its K/V bytes
-MAX_SPLITS = 256
-SPLITS_PER_SM = 2  # target >= 2 programs per SM so that the loads of one hide the other's latency
-DEFAULT_SM_COUNT = 132  # H100 SXM; used when the device cannot be asked (CPU interpreter runs)
-REDUCE_CHUNK = 16  # splits merged per step in stage 2
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
 
@@ -100,7 +107,7 @@ def _attend_tiles(
 
 @triton.jit
 def _weighted_split_kernel(
-    q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr,
+    q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr, offset_ptr,
     H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
@@ -112,9 +119,14 @@ def _weighted_split_kernel(
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, OFFSET_PTR: tl.constexpr,
 ):  # fmt: skip
-    """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``."""
+    """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``.
+    ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step)."""
+    if OFFSET_PTR:
+        offset = tl.load(offset_ptr).to(tl.int32)
+    else:
+        offset = causal_offset
     bh = tl.program_id(0)
     split = tl.program_id(1)
     rblock = tl.program_id(2)
@@ -134,13 +146,13 @@ def _weighted_split_kernel(
     q = tl.load(q_ptrs, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    last_key = causal_offset + token  # row sees keys l <= last_key
+    last_key = offset + token  # row sees keys l <= last_key
 
     # Keys [lo, full) are visible to every row of the block; keys past `hi` to none.
     lo = split * split_len
     split_hi = tl.minimum(lo + split_len, N)
-    hi = tl.minimum(split_hi, causal_offset + tl.max(tl.where(r_mask, token, 0), 0) + 1)
-    full = tl.minimum(hi, causal_offset + tl.min(tl.where(r_mask, token, M), 0) + 1)
+    hi = tl.minimum(split_hi, offset + tl.max(tl.where(r_mask, token, 0), 0) + 1)
+    full = tl.minimum(hi, offset + tl.min(tl.where(r_mask, token, M), 0) + 1)
     full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
     k_base = k_ptr + b * s_kb + h * s_kh
@@ -257,25 +269,6 @@ def unsupported_reason(
     return None
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_SM_COUNT
-
-
-def choose_num_splits(n: int, programs_per_split: int, block_n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
-    """Key-axis splits: enough programs for ``SPLITS_PER_SM * sm_count`` in total, but >= 256 keys per split.
-
-    ``programs_per_split = batch * h_kv * row_blocks``. Long caches with few (batch, KV head) pairs get many
-    splits (e.g. batch 1, 4 KV heads, n = 32k on 132 SMs: 66 splits of 512 keys); short caches or large
-    batches get one split and skip stage 2.
-    """
-    tiles = triton.cdiv(n, block_n)
-    max_splits = min(MAX_SPLITS, triton.cdiv(tiles, max(1, MIN_KEYS_PER_SPLIT // block_n)))
-    wanted = triton.cdiv(SPLITS_PER_SM * sm_count, programs_per_split)
-    return max(1, min(wanted, max_splits))
-
-
 def weighted_decode_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -285,80 +278,62 @@ def weighted_decode_attention(
     scaling: float,
     v_min: torch.Tensor | None = None,
     v_max: torch.Tensor | None = None,
-    causal_offset: int | None = None,
+    causal_offset: int | torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     block_r: int | None = None,
     num_stages: int = 2,
     max_new_tokens: int | None = MAX_NEW_TOKENS,
+    check: bool = True,
 ) -> torch.Tensor:
     """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
     ``[b, h_kv, n, d_v]`` cache.
 
     ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; ``key_mask`` ``[b, n]`` bool (False:
-    a key no query of that row sees); any strides, no copies. Inputs must already be validated
-    (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass ``unsupported_reason``.
-    ``num_splits`` / ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16)
-    override the heuristics (tests, tuning); ``num_stages``: Triton's software pipelining depth. Accumulates
-    in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
+    a key no query of that row sees); any strides, no copies. ``causal_offset``: an int, or a one-element int
+    tensor on the inputs' device that the kernel reads (no host sync; static caches). Inputs must already be
+    validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
+    ``unsupported_reason`` (``check=False`` skips that test: callers that already made it). ``num_splits`` /
+    ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16) override the heuristics
+    (tests, tuning); ``num_stages``: Triton's software pipelining depth. Launch plans and the split partials are
+    cached per shape. Accumulates in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
     """
-    reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
-    if reason is not None:
-        raise ValueError(f"weighted attention kernel: {reason}")
+    if check:
+        reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
+        if reason is not None:
+            raise ValueError(f"weighted attention kernel: {reason}")
+    plan = launch_plan(queries, keys, values, causal_offset, num_splits, block_n, block_r, INTERPRET)
     batch, heads_q, m, dim = queries.shape
-    _, heads_kv, n, _ = keys.shape
-    d_v = values.shape[3]
-    group = heads_q // heads_kv
-    rows = group * m
-
-    # Keys past causal_offset + m - 1 are invisible to every row: never read them.
-    c = n if causal_offset is None else min(causal_offset, n)
-    n_read = min(n, c + m)
-    block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(d_v)
-    wide = max(block_d, block_dv) > 128
-    if block_r is None:
-        block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
-    row_blocks = triton.cdiv(rows, block_r)
-    if block_n is None:
-        block_n = 32 if wide else 64
-    if num_splits is None:
-        num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, _sm_count(queries.device))
-    split_len = triton.cdiv(triton.cdiv(n_read, block_n), num_splits) * block_n
-    num_splits = triton.cdiv(n_read, split_len)  # no empty splits
-
+    heads_kv, d_v = keys.shape[1], values.shape[3]
     out = torch.empty(batch, heads_q, m, d_v, dtype=values.dtype, device=values.device)
-    final = num_splits == 1
-    if final:
-        mpart = dpart = npart = out  # unused
-    else:
-        mpart = torch.empty(batch * heads_kv, num_splits, rows, dtype=torch.float32, device=out.device)
-        dpart = torch.empty_like(mpart)
-        npart = torch.empty(batch * heads_kv, num_splits, rows, d_v, dtype=torch.float32, device=out.device)
-    lo_t = v_min if v_min is not None else out.new_zeros(1, 1, 1)
-    hi_t = v_max if v_max is not None else out.new_zeros(1, 1, 1)
-    mask_t = key_mask.view(torch.uint8) if key_mask is not None else out.new_zeros(1, 1, dtype=torch.uint8)
-    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep bf16 tensor-core dots).
-    dot_fp32 = queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16)
-    num_warps = 8 if block_r * block_dv >= 128 * 128 else 4
+    final = plan.num_splits == 1
+    mpart, dpart, npart = (out, out, out) if final else workspace(out.device, batch * heads_kv, plan, d_v)
+    dummy, dummy_mask = dummies(out.device, values.dtype)
+    lo_t = v_min if v_min is not None else dummy
+    hi_t = v_max if v_max is not None else dummy
+    mask_t = key_mask.view(torch.uint8) if key_mask is not None else dummy_mask
+    on_device = isinstance(causal_offset, torch.Tensor)
+    offset_t = causal_offset if on_device else dummy_mask
 
-    _weighted_split_kernel[(batch * heads_kv, num_splits, row_blocks)](
-        queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart,
-        heads_kv, group, n_read, rows, m, split_len, c, scaling * LOG2E,
+    _weighted_split_kernel[plan.grid](
+        queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
+        heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
+        scaling * LOG2E,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
-        D=dim, DV=d_v, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, HAS_MASK=key_mask is not None, FINAL=final,
-        DOT_FP32=dot_fp32,
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_FP32=plan.dot_fp32, OFFSET_PTR=on_device,
+        num_warps=plan.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not final:
-        _weighted_decode_reduce_kernel[(batch * heads_kv * rows,)](
+        _weighted_decode_reduce_kernel[(batch * heads_kv * plan.rows,)](
             mpart, dpart, npart, lo_t, hi_t, out,
-            heads_kv, rows, num_splits,
+            heads_kv, plan.rows, plan.num_splits,
             *lo_t.stride(), *hi_t.stride(),
-            DV=d_v, BLOCK_S=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dv,
+            DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv,
             HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None,
-            num_warps=4 if block_dv >= 256 else 2,
+            num_warps=plan.reduce_warps,
         )  # fmt: skip
     return out

@@ -1,0 +1,324 @@
+"""Decode speed per cache: ms per step, tokens/s and peak memory, and one layer's attention call timed from Python
+and replayed in a CUDA graph (``python -m eval.speed --only decode``).
+
+Variants (random-weight model of ``cfg.model``'s shape; each context prefilled once at batch 1, the cache then
+repeated to each batch size, so every batch row holds the same rows):
+
+- ``full/eager``: the whole cache, DynamicCache, stock sdpa, eager steps;
+- ``full/static+compile``: the whole cache in a transformers StaticCache, ``torch.compile(fullgraph=True)``;
+- ``kept/static+compile``: an unweighted StaticCache of the kept size (``int(kept * context)`` rows): the floor
+  for a compressed cache's step (no weights, no clip);
+- ``snapkv/eager``: kvpress's SnapKV at the kept size, DynamicCache, eager;
+- ``ours/eager``: CompressKV's default press at the kept size, the eager weighted path;
+- ``ours/compiled``: the same cache as :class:`kvcompress.static_cache.StaticWeightedCache`, compiled.
+
+Compiled variants use ``cfg.compile_mode`` (``reduce-overhead``: CUDA graphs) and ``cfg.compile_backend``; the
+compile happens in the warm-up steps, never in the timed ones. Steps pass device-side ``cache_position`` and
+``position_ids`` advanced in place, as ``generate`` does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from eval.speed.clock import Clock, Notes, release, stats
+from eval.speed.config import Config
+from eval.speed.e2e import build_model, make_press, prefill, set_attention
+from kvcompress.cache import WeightedDynamicCache, WeightedLayer, cache_bytes
+
+VARIANTS = (
+    "full/eager",
+    "full/static+compile",
+    "kept/static+compile",
+    "snapkv/eager",
+    "ours/eager",
+    "ours/compiled",
+)
+ATTENTION_VARIANTS = ("full/eager", "ours/eager", "ours/compiled")
+
+
+def repeat_batch(cache, batch: int):
+    """The batch-1 ``cache`` repeated to ``batch`` identical rows: a new cache (the decode steps of one variant
+    never reach another's), DynamicLayer / WeightedLayer layers."""
+    from transformers import DynamicCache
+
+    out = WeightedDynamicCache() if isinstance(cache, WeightedDynamicCache) else DynamicCache()
+    for layer in cache.layers:
+        keys, values = layer.keys.repeat(batch, 1, 1, 1), layer.values.repeat(batch, 1, 1, 1)
+        if isinstance(layer, WeightedLayer):
+            out.layers.append(
+                WeightedLayer(
+                    keys,
+                    values,
+                    layer.row_weights.repeat(batch, 1, 1),
+                    layer.value_min.repeat(batch, 1, 1),
+                    layer.value_max.repeat(batch, 1, 1),
+                    tokens=keys.shape[-2] + layer.position_offset,
+                    row_valid=None if layer.row_valid is None else layer.row_valid.repeat(batch, 1),
+                )
+            )
+        else:
+            copy = type(layer)()
+            copy.lazy_initialization(keys, values)
+            copy.keys, copy.values = keys, values
+            out.layers.append(copy)
+    return out
+
+
+def static_copy(model, cache, rows: int, capacity: int):
+    """A transformers StaticCache of ``capacity`` rows holding the first ``rows`` rows of every layer of ``cache``."""
+    from transformers import StaticCache
+
+    keys = cache.layers[0].keys
+    static = StaticCache(config=model.config, max_cache_len=capacity)
+    static.early_initialization(keys.shape[0], keys.shape[1], keys.shape[-1], keys.dtype, keys.device)
+    for layer, source in zip(static.layers, cache.layers, strict=True):
+        layer.keys[:, :, :rows] = source.keys[:, :, :rows]
+        layer.values[:, :, :rows] = source.values[:, :, :rows]
+    return static
+
+
+def decode_steps(
+    forward: Callable, cache, batch: int, first_row: int, first_position: int, cfg: Config, clock: Clock
+) -> list[float]:
+    """Seconds per greedy step: ``cfg.decode_step_warmup`` untimed steps (compilation), then ``cfg.decode_steps``."""
+    device = cache.layers[0].keys.device
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    cache_position = torch.tensor([first_row], device=device)
+    position_ids = torch.full((batch, 1), first_position, device=device)
+
+    def step() -> None:
+        nonlocal token
+        out = forward(
+            input_ids=token,
+            past_key_values=cache,
+            cache_position=cache_position,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        token = out.logits[:, -1:].argmax(-1)
+        cache_position.add_(1)
+        position_ids.add_(1)
+
+    for _ in range(cfg.decode_step_warmup):
+        step()
+    clock.sync()
+    marks = [clock.mark()]
+    for _ in range(cfg.decode_steps):
+        step()
+        marks.append(clock.mark())
+    return clock.intervals(marks)
+
+
+def build_variant(variant: str, model, ids: torch.Tensor, batch: int, cfg: Config, base: dict) -> tuple:
+    """``(cache, forward, first_row)`` for ``variant`` at ``batch`` (``base`` memoises the batch-1 prefills)."""
+    from kvcompress.static_cache import StaticWeightedCache
+
+    context = ids.shape[1]
+    capacity = cfg.decode_step_warmup + cfg.decode_steps
+    press_name = {"snapkv": "snapkv", "ours": "compresskv"}.get(variant.split("/")[0], "none")
+    if press_name not in base:
+        set_attention(model, "sdpa")
+        base[press_name] = prefill(model, make_press(press_name, cfg), ids)
+    cache = repeat_batch(base[press_name], batch)
+    if variant in ("full/eager", "snapkv/eager"):
+        set_attention(model, "sdpa")
+    elif variant == "ours/eager":
+        set_attention(model, "kvcompress")
+    if variant == "full/static+compile":
+        cache = static_copy(model, cache, context, context + capacity)
+    elif variant == "kept/static+compile":
+        kept = int(cfg.kept * context)
+        cache = static_copy(model, cache, kept, kept + capacity)
+        context = kept
+    elif variant == "ours/compiled":
+        cache = StaticWeightedCache.from_compressed(cache, max_new_tokens=capacity)
+    if variant.endswith("compile") or variant.endswith("compiled"):
+        set_attention(model, "kvcompress" if variant.startswith("ours") else "sdpa")
+        torch._dynamo.reset()  # one graph per variant and batch; never the recompile limit
+        options = dict(fullgraph=True, dynamic=False, backend=cfg.compile_backend)
+        if cfg.compile_backend == "inductor":
+            options["mode"] = cfg.compile_mode
+        forward = torch.compile(model.forward, **options)
+    else:
+        forward = model.forward
+    # cache_position as generate passes it: the row index for transformers' caches (a SnapKV cache holds its kept
+    # rows), the token count for compressed caches (get_seq_length() of a WeightedDynamicCache; static: the same)
+    if variant in ("snapkv/eager", "ours/eager"):
+        first_row = cache.get_seq_length()
+    elif variant == "ours/compiled":
+        first_row = ids.shape[1]
+    else:
+        first_row = context
+    return cache, forward, first_row
+
+
+def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, notes: Notes) -> list[dict[str, Any]]:
+    """One layer's attention call of a decode step on ``cache`` (after its decode steps): from Python, and replayed
+    in a CUDA graph (CUDA only)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module = model.model.layers[cfg.attention_layer].self_attn
+    layer = cache.layers[cfg.attention_layer]
+    keys, values = layer.keys, layer.values
+    query = torch.randn(keys.shape[0], model.config.num_attention_heads, 1, keys.shape[-1], device=keys.device)
+    query = query.to(keys.dtype)
+    attention = ALL_ATTENTION_FUNCTIONS["kvcompress" if variant.startswith("ours") else "sdpa"]
+
+    def call() -> Any:
+        return attention(module, query, keys, values, None, dropout=0.0, scaling=module.scaling)[0]
+
+    row: dict[str, Any] = {"variant": variant, "batch": keys.shape[0], "rows": keys.shape[-2]}
+    try:
+        row["python_s"] = stats(clock.times(call, cfg.warmup, cfg.repeats))["median_s"]
+        clock.sync()
+        start = time.perf_counter()
+        for _ in range(cfg.repeats):  # back to back, no sync: the host's cost per call while the GPU queue runs
+            call()
+        row["host_s"] = (time.perf_counter() - start) / cfg.repeats
+        clock.sync()
+        if clock.cuda:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            row["cuda_graph_s"] = stats(clock.times(graph.replay, cfg.warmup, cfg.repeats))["median_s"]
+        else:
+            row["cuda_graph_s"] = None
+            notes.add("attention replayed in a CUDA graph: CUDA only (None on CPU)")
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {err}"
+        notes.add(f"attention {variant} failed: {row['error']}")
+    return [row]
+
+
+def run_decode(cfg: Config, device: torch.device, dtype: torch.dtype, clock: Clock, notes: Notes) -> dict[str, Any]:
+    """Every variant at every context and batch size (see the module docstring)."""
+    import kvcompress.presses  # noqa: F401  (registers the "kvcompress" attention)
+    from kvcompress.hf_attention import register
+
+    register()
+    model = build_model(cfg, device, dtype)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    rows, attention = [], []
+    for context in cfg.decode_contexts:
+        ids = torch.randint(0, model.config.vocab_size, (1, context), generator=generator).to(device)
+        base: dict = {}
+        for variant in VARIANTS:
+            for batch in cfg.decode_batch_sizes:
+                row: dict[str, Any] = {"variant": variant, "context": context, "batch": batch, "kept": cfg.kept}
+                if variant.startswith("full"):
+                    row["kept"] = 1.0
+                try:
+                    start = time.perf_counter()
+                    cache, forward, first_row = build_variant(variant, model, ids, batch, cfg, base)
+                    row["build_s"] = time.perf_counter() - start
+                    row["cache_rows"] = cache.layers[cfg.attention_layer].keys.shape[-2]
+                    row["cache_gib"] = cache_bytes(cache) / 2**30
+                    release(device)
+                    clock.memory_reset()
+                    samples = decode_steps(forward, cache, batch, first_row, context, cfg, clock)
+                    row["peak_decode_gib"] = clock.memory_peak_gib()
+                    row.update(stats(samples))
+                    row["step_ms"] = row["median_s"] * 1e3
+                    row["tokens_per_s"] = batch / row["median_s"]
+                    if variant in ATTENTION_VARIANTS:
+                        attention += [{"context": context, **r} for r in time_layer_attention(
+                            model, cache, variant, cfg, clock, notes)]  # fmt: skip
+                    del cache, forward
+                except Exception as err:
+                    row["error"] = f"{type(err).__name__}: {err}"
+                    notes.add(f"decode {variant} context={context} batch={batch} failed: {row['error']}")
+                rows.append(row)
+                release(device)
+        del base
+    set_attention(model, "sdpa")
+    torch._dynamo.reset()
+    return {"steps": rows, "attention": attention, "goals": decode_goals(rows, attention)}
+
+
+def _step(rows: list[dict], variant: str, context: int, batch: int) -> float | None:
+    row = next((r for r in rows if (r["variant"], r["context"], r["batch"]) == (variant, context, batch)), None)
+    return None if row is None else row.get("step_ms")
+
+
+def decode_goals(rows: list[dict], attention: list[dict]) -> list[dict[str, Any]]:
+    """The issue's goals per (context, batch): ours compiled <= 1.1x the kept-size floor; faster than the full
+    cache's fastest path; ours eager within 5% of SnapKV eager; our attention call's host time <= 40 us (the
+    slower of eager and compiled caches). ``met`` None where a number is missing."""
+    goals = []
+    for context, batch in sorted({(r["context"], r["batch"]) for r in rows}):
+        ours, floor = _step(rows, "ours/compiled", context, batch), _step(rows, "kept/static+compile", context, batch)
+        fulls = [_step(rows, v, context, batch) for v in ("full/eager", "full/static+compile")]
+        fastest_full = min((x for x in fulls if x), default=None)
+        eager, snap = _step(rows, "ours/eager", context, batch), _step(rows, "snapkv/eager", context, batch)
+        entry: dict[str, Any] = {"context": context, "batch": batch}
+        entry["compiled_vs_floor"] = ours / floor if ours and floor else None
+        entry["speedup_vs_full"] = fastest_full / ours if ours and fastest_full else None
+        entry["eager_vs_snapkv"] = eager / snap if eager and snap else None
+        entry["met_floor_1.1x"] = None if entry["compiled_vs_floor"] is None else entry["compiled_vs_floor"] <= 1.1
+        entry["met_eager_5pct"] = None if entry["eager_vs_snapkv"] is None else entry["eager_vs_snapkv"] <= 1.05
+        hosts = [
+            r["host_s"] * 1e6
+            for r in attention
+            if r["variant"].startswith("ours") and (r["context"], r["batch"]) == (context, batch) and "host_s" in r
+        ]
+        entry["ours_attention_host_us"] = max(hosts) if hosts else None
+        entry["met_host_40us"] = None if not hosts else max(hosts) <= 40
+        goals.append(entry)
+    return goals
+
+
+def format_decode(section: dict[str, Any]) -> str:
+    """The printed tables of the decode section."""
+    from eval.speed.report import table
+
+    def us(value: float | None) -> float | None:
+        return None if value is None else value * 1e6
+
+    steps = [
+        [r["variant"], r["context"], r["batch"], r.get("cache_rows"), r.get("step_ms"), r.get("tokens_per_s"),
+         r.get("peak_decode_gib"), r.get("cache_gib"), r.get("error", "")]
+        for r in section["steps"]
+    ]  # fmt: skip
+    calls = [
+        [r["variant"], r["context"], r["batch"], r["rows"], us(r.get("python_s")), us(r.get("host_s")),
+         us(r.get("cuda_graph_s")), r.get("error", "")]
+        for r in section["attention"]
+    ]  # fmt: skip
+    goals = [
+        [
+            g["context"],
+            g["batch"],
+            g["compiled_vs_floor"],
+            g["speedup_vs_full"],
+            g["eager_vs_snapkv"],
+            g["ours_attention_host_us"],
+        ]
+        for g in section["goals"]
+    ]
+    return "\n".join(
+        [
+            table(
+                "\n[decode] greedy decode step (median), per cache variant",
+                ["variant", "context", "batch", "rows", "step ms", "tokens/s", "peak GiB", "cache GiB", "error"],
+                steps,
+            ),
+            table(
+                "\n[decode] one layer's attention call (us): from Python (device time per call, and host time per call"
+                " issued back to back), and replayed in a CUDA graph",
+                ["variant", "context", "batch", "rows", "python us", "host us", "cuda graph us", "error"],
+                calls,
+            ),
+            table(
+                "\n[decode] goals: ours compiled / kept floor (<= 1.1); full fastest / ours compiled; "
+                "ours eager / SnapKV (<= 1.05); our attention host us (<= 40)",
+                ["context", "batch", "compiled/floor", "speedup vs full", "eager/snapkv", "our host us"],
+                goals,
+            ),
+        ]
+    )

@@ -1,0 +1,149 @@
+"""Host side of the weighted attention kernels (:mod:`kvcompress.kernels.weighted_decode`): the split heuristic,
+launch plans cached per shape, and the reused split partials, so that a call does no planning and no allocation
+beyond its output once its shape has been seen (a static cache's shape never changes; a dynamic cache's grows by
+one row a step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+MAX_BLOCK_ROWS = 128  # rows (= group * m) per program; more rows -> a third grid axis over row blocks
+MIN_KEYS_PER_SPLIT = 256  # a split's partials (rows * (d_v + 2) fp32) stay <~ 10% of its K/V bytes
+MAX_SPLITS = 256
+SPLITS_PER_SM = 2  # target >= 2 programs per SM so that the loads of one hide the other's latency
+DEFAULT_SM_COUNT = 132  # H100 SXM; used when the device cannot be asked (CPU interpreter runs)
+REDUCE_CHUNK = 16  # splits merged per step in stage 2
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SM_COUNT
+
+
+def choose_num_splits(n: int, programs_per_split: int, block_n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Key-axis splits: enough programs for ``SPLITS_PER_SM * sm_count`` in total, but >= 256 keys per split.
+
+    ``programs_per_split = batch * h_kv * row_blocks``. Long caches with few (batch, KV head) pairs get many
+    splits (e.g. batch 1, 4 KV heads, n = 32k on 132 SMs: 66 splits of 512 keys); short caches or large
+    batches get one split and skip stage 2.
+    """
+    tiles = triton.cdiv(n, block_n)
+    max_splits = min(MAX_SPLITS, triton.cdiv(tiles, max(1, MIN_KEYS_PER_SPLIT // block_n)))
+    wanted = triton.cdiv(SPLITS_PER_SM * sm_count, programs_per_split)
+    return max(1, min(wanted, max_splits))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the launcher derives from shapes and options (cached per shape: no per-call planning)."""
+
+    grid: tuple[int, int, int]
+    rows: int
+    n_read: int
+    causal_offset: int
+    split_len: int
+    num_splits: int
+    block_r: int
+    block_n: int
+    block_d: int
+    block_dv: int
+    num_warps: int
+    dot_fp32: bool
+    reduce_block_s: int
+    reduce_warps: int
+
+
+_PLANS: dict[tuple, LaunchPlan] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_DUMMIES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_CACHE_LIMIT = 256  # distinct shapes kept (a dynamic cache changes n every step; a static one never)
+
+
+def launch_plan(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    causal_offset: int | torch.Tensor | None,
+    num_splits: int | None,
+    block_n: int | None,
+    block_r: int | None,
+    interpret: bool = False,
+) -> LaunchPlan:
+    """The cached launch plan for these shapes (``causal_offset`` a tensor: read on device, all n rows planned;
+    ``interpret``: the kernels run in Triton's CPU interpreter)."""
+    on_device = isinstance(causal_offset, torch.Tensor)
+    key = (tuple(queries.shape), tuple(keys.shape), values.shape[3], queries.dtype, queries.device,
+           "device" if on_device else causal_offset, num_splits, block_n, block_r, interpret)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    batch, heads_q, m, dim = queries.shape
+    _, heads_kv, n, _ = keys.shape
+    d_v = values.shape[3]
+    rows = heads_q // heads_kv * m
+    # Keys past causal_offset + m - 1 are invisible to every row: never read them (a device offset: plan all n,
+    # the kernel still skips the invisible tiles).
+    c = n if causal_offset is None or on_device else min(causal_offset, n)
+    n_read = n if on_device else min(n, c + m)
+    block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(d_v)
+    wide = max(block_d, block_dv) > 128
+    if block_r is None:
+        block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
+    row_blocks = triton.cdiv(rows, block_r)
+    if block_n is None:
+        block_n = 32 if wide else 64
+    if num_splits is None:
+        num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, _sm_count(queries.device))
+    split_len = triton.cdiv(triton.cdiv(n_read, block_n), num_splits) * block_n
+    num_splits = triton.cdiv(n_read, split_len)  # no empty splits
+    plan = LaunchPlan(
+        grid=(batch * heads_kv, num_splits, row_blocks),
+        rows=rows,
+        n_read=n_read,
+        causal_offset=c,
+        split_len=split_len,
+        num_splits=num_splits,
+        block_r=block_r,
+        block_n=block_n,
+        block_d=block_d,
+        block_dv=block_dv,
+        num_warps=8 if block_r * block_dv >= 128 * 128 else 4,
+        # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep bf16 tensor-core dots).
+        dot_fp32=queries.dtype == torch.float32 or (interpret and queries.dtype == torch.bfloat16),
+        reduce_block_s=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
+        reduce_warps=4 if block_dv >= 256 else 2,
+    )
+    if len(_PLANS) >= _CACHE_LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def workspace(device: torch.device, pairs: int, plan: LaunchPlan, d_v: int) -> tuple[torch.Tensor, ...]:
+    """Stage-1 partials ``(m, den, acc)``, reused across calls of one shape. Calls on one stream run in order,
+    so a later call overwrites them only after stage 2 of the earlier one has read them."""
+    key = (device, pairs, plan.num_splits, plan.rows, d_v)
+    space = _WORKSPACES.get(key)
+    if space is None:
+        mpart = torch.empty(pairs, plan.num_splits, plan.rows, dtype=torch.float32, device=device)
+        npart = torch.empty(pairs, plan.num_splits, plan.rows, d_v, dtype=torch.float32, device=device)
+        if len(_WORKSPACES) >= _CACHE_LIMIT:
+            _WORKSPACES.clear()
+        space = _WORKSPACES[key] = (mpart, torch.empty_like(mpart), npart)
+    return space
+
+
+def dummies(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholders for absent optional inputs (never read: their HAS_* flag is off)."""
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = (
+            torch.zeros(1, 1, 1, dtype=dtype, device=device),
+            torch.zeros(1, 1, dtype=torch.uint8, device=device),
+        )
+    return _DUMMIES[key]
