@@ -357,7 +357,8 @@ def test_full_queue_gets_429_and_disconnect_cancels(server):
     assert int(busy.headers["Retry-After"]) >= 1 and busy.json()["error"]["param"] == "queue"
 
     cancelled = metric(server, "kvcompress_cancelled_total")
-    long = {**body, "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "Tell a long story."}]}
+    # max_tokens within the server's small memory budget (each session reserves room for its whole answer)
+    long = {**body, "max_tokens": 120, "stream": True, "messages": [{"role": "user", "content": "Tell a long story."}]}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=long, headers=headers, timeout=300) as r:
         for line in r.iter_lines():
             if '"content": "' in line and '"content": ""' not in line:
@@ -451,7 +452,7 @@ def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(
         before = [(x, x.keys.clone(), x.values.clone(), x.row_weights.clone()) for x in stored.layers]
         with torch.inference_mode():  # what the worker thread runs under
             for temperature in (0.0, 1.0):
-                engine._serve(Job(context_ids, question_ids, max_tokens=5, temperature=temperature, seed=1))
+                engine.run_alone(Job(context_ids, question_ids, max_tokens=5, temperature=temperature, seed=1))
         assert engine.context_cache(context_ids) is stored
         for layer, (obj, k, v, w) in zip(stored.layers, before, strict=True):
             assert layer is obj and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
