@@ -138,11 +138,12 @@ def context_bytes_estimate(tokens: int) -> int:
 
 @pytest.fixture(scope="module")
 def server(embedded_dir):
-    """One server for the module: compresskv at 25% kept, room for about two of these contexts, an API key."""
+    """One server for the module: compresskv at 25% kept, an API key and a memory budget that stores two of these
+    contexts but not three, and holds one of them stored while a session on it decodes (its copy in the batch)."""
     import httpx
 
     port = free_port()
-    budget = int(2.2 * context_bytes_estimate(385))
+    budget = int(2.8 * context_bytes_estimate(385))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--threads", "1", "--api-key", API_KEY,
            "--max-queue", "8", "--cache-memory", str(budget), "--log-level", "warning"]

@@ -60,13 +60,13 @@ class Scheduler:
 
     # -- HTTP side ---------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        need, context_bytes = self._estimate(job, peek=True)
-        alone = context_bytes + self._batch_bytes(1 if need else 0, need)
+        need, context_bytes, _ = self._estimate(job, peek=True)
+        alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))  # the stored copy may be dropped
         if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
-            room = (self.memory - context_bytes - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
+            room = (self.memory - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
             job.max_tokens = min(job.max_tokens, room - (need - job.max_tokens))
-            need, _ = self._estimate(job, peek=True)
-            alone = context_bytes + self._batch_bytes(1 if need else 0, need)
+            need, _, _ = self._estimate(job, peek=True)
+            alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))
         if alone > self.memory or job.max_tokens < 1:
             raise TooLarge(
                 f"max_tokens: this request needs about {alone / 2**20:.1f} MiB resident (its context's cache and "
@@ -94,44 +94,51 @@ class Scheduler:
         e = self.engine
         return batch_bytes(sessions, capacity, e.batch_row_bytes, e.batch_session_bytes)
 
-    def _estimate(self, job: Job, peek: bool = False) -> tuple[int, int]:
-        """(batch rows the session will reserve, bytes its context adds to the store). A stored context's rows are
-        known; a new one is estimated from the press's kept fraction and checked again after its prefill."""
-        entry = None if peek else self.engine.stored(job.context_ids)
+    def _estimate(self, job: Job, peek: bool = False) -> tuple[int, int, tuple | None]:
+        """(batch rows the session will reserve, bytes its context adds to the store, the key of the stored entry it
+        will use). A stored context's rows are known; a new one is estimated from the press's kept fraction and
+        checked again after its prefill."""
+        e = self.engine
+        entry = None if peek else e.stored(job.context_ids)
+        key = None
         if entry is not None:
-            rows, new_bytes = max(layer.keys.shape[-2] for layer in entry.cache.layers), 0
+            rows, new_bytes, key = max(layer.keys.shape[-2] for layer in entry.cache.layers), 0, entry.key
         else:
-            rows = math.ceil(len(job.context_ids) * self.engine.kept_fraction)
-            new_bytes = rows * self.engine.context_row_bytes
+            rows = math.ceil(len(job.context_ids) * e.kept_fraction)
+            new_bytes = rows * e.context_row_bytes
+            if not peek and job.context_ids:  # a stored earlier turn of this chat is used, not evicted
+                min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))
+                prefix = e.store.longest_prefix(tuple(job.context_ids), e.model_name, e.press_label, min_tokens)
+                key = prefix.key if prefix is not None else None
         need = 0 if job.max_tokens <= 1 else rows + len(job.question_ids) + job.max_tokens - 1
-        return need, new_bytes
+        return need, new_bytes, key
 
     def _capacity(self, sessions: list[Session]) -> int:
         return max((s.need for s in sessions), default=0)
 
     def _fits(self, joining: list[Session], need: int, new_bytes: int, keep) -> bool:
-        """Whether a session reserving ``need`` rows (plus ``new_bytes`` of a new stored context) fits beside the
-        active and joining sessions; evicts stored contexts (never ``keep``) to make room when it does."""
+        """Whether a session reserving ``need`` batch rows fits beside the active and joining sessions. When it
+        does, stored contexts are evicted (least recently used first, ``keep`` last) so the batch, the stored
+        contexts and ``new_bytes`` of a context about to be stored stay within the budget; a context that then
+        does not fit is served but not stored. Active sessions are never touched."""
         sessions = len(self.active) + len(joining)
-        if need == 0:
-            return self._make_room(self._batch_bytes(sessions, self._capacity(self.active + joining)) + new_bytes,
-                                   keep, force=True)
-        if sessions >= self.max_batch:
+        capacity = self._capacity(self.active + joining)
+        if need:
+            if sessions >= self.max_batch:
+                return False
+            capacity = max(capacity, need)
+            if sessions and (sessions + 1) * capacity > self.max_batch_tokens:
+                return False
+            sessions += 1
+        batch = self._batch_bytes(sessions, capacity)
+        if batch > self.memory and sessions > 1:
             return False
-        capacity = max(self._capacity(self.active + joining), need)
-        if sessions and (sessions + 1) * capacity > self.max_batch_tokens:
-            return False
-        return self._make_room(self._batch_bytes(sessions + 1, capacity) + new_bytes, keep, force=sessions == 0)
-
-    def _make_room(self, other: int, keep, force: bool) -> bool:
         store = self.engine.store
-        limit = self.memory - other
-        kept = store.get(keep) if keep is not None else None
-        if not force and limit < (kept.nbytes if kept is not None else 0):
-            return False
-        resident = store.evict_to(max(limit, 0), keep)
-        store.capacity = max(limit, 0)
-        return resident <= limit or force
+        room = max(self.memory - batch, 0)
+        if store.evict_to(max(room - new_bytes, 0), keep) > room:
+            store.evict_to(room)  # even the context this request uses: the request holds it until it joins
+        store.capacity = room
+        return True
 
     def _publish(self) -> None:
         stats = self.engine.store.stats()
@@ -173,8 +180,7 @@ class Scheduler:
         while True:
             if self._ready:  # opened sessions first: they hold memory already
                 session = self._ready[0]
-                key = (tuple(session.job.context_ids), self.engine.model_name, self.engine.press_label)
-                if not self._fits(joining, session.need, 0, key):
+                if not self._fits(joining, session.need, 0, None):
                     break
                 joining.append(self._ready.popleft())
                 continue
@@ -185,8 +191,7 @@ class Scheduler:
                 job = self._waiting[0] if self._waiting else None
             if job is None or (prefilled and (self.active or joining)):
                 break
-            need, new_bytes = self._estimate(job)
-            key = (tuple(job.context_ids), self.engine.model_name, self.engine.press_label)
+            need, new_bytes, key = self._estimate(job)
             if not self._fits(joining, need, new_bytes, key):
                 break
             with self._cond:
@@ -202,7 +207,7 @@ class Scheduler:
                 continue
             if session.finish is not None:
                 self._retired(session)
-            elif self._fits(joining, session.need, 0, key):
+            elif self._fits(joining, session.need, 0, None):
                 joining.append(session)
             else:
                 self._ready.append(session)
