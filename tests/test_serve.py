@@ -86,6 +86,8 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--method", "nope"], "--method"),
         (["--cache-memory", "lots"], "--cache-memory"),
         (["--max-queue", "0"], "--max-queue"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-batch-tokens", "-1"], "--max-batch-tokens"),
         (["--press-option", "window_size=-3"], "window_size"),
         (["--press-option", "snapkv.window_size=8"], "--press-option"),
         (["--press-option", "no_such_field=1"], "--press-option"),
