@@ -14,8 +14,9 @@ per step; ``--max-batch 1`` is the one-at-a-time server).
 Reported per run: contexts resident at the end and at most during the run (polled every second), reuse
 rate (store hits / requests), p50 and p95 time to first token (all requests, first questions, follow-ups),
 p50 / p95 inter-token latency (gaps between streamed content chunks at the client), aggregate generated tokens
-per second over the run, mean and largest batch size per decode step (server), prefills, resident bytes next to
-their uncompressed size.
+per second over the run, tokens per second of the decode steps alone (server: tokens decoded in steps / seconds
+of those steps; first tokens come from question prefills), mean and largest batch size per decode step
+(server), prefills, resident bytes next to their uncompressed size.
 
     python -m eval.serve_load --users 8 --questions 3 --context-tokens 512 --cache-memory 150MiB --max-batch 8 1
 """
@@ -193,6 +194,8 @@ def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.
         "tokens": sum(r["tokens"] for r in ok),
         "itl_p50": percentile([g for r in ok for g in r["gaps"]], 0.5),
         "itl_p95": percentile([g for r in ok for g in r["gaps"]], 0.95),
+        "step_tokens_per_s": m.get("kvcompress_batch_size_sum", 0) / max(1e-9, m.get(
+            "kvcompress_decode_step_seconds_sum", 0)),
         "batch_mean": m.get("kvcompress_batch_size_sum", 0) / max(1, m.get("kvcompress_batch_size_count", 0)),
         "batch_max": min((float(k.split('le="')[1].split('"')[0]) for k, v in m.items()
                           if k.startswith("kvcompress_batch_size_bucket") and "+Inf" not in k
@@ -208,8 +211,9 @@ def table(rows: list[dict]) -> str:
     head = ("| method | max batch | requests ok | contexts resident (end / peak) | resident MB (uncompressed MB) | "
             "prefills | reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | "
             "inter-token p50 / p95 s | batch per step (mean / max bucket) | tokens | tokens/s | "
+            "decode-step tokens/s | "
             "server: context prefill / question prefill s (mean) |")
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['max_batch']} | {r['ok']}/{r['requests']} | {r['sessions_resident_end']:.0f} / "
@@ -218,7 +222,8 @@ def table(rows: list[dict]) -> str:
             f"{r['prefills']:.0f} | {r['reuse_rate']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
             f"{r['ttft_first_p50']:.2f} | {r['ttft_follow_p50']:.2f} / {r['ttft_follow_p95']:.2f} | "
             f"{r['itl_p50']:.3f} / {r['itl_p95']:.3f} | {r['batch_mean']:.2f} / {r['batch_max']:.0f} | "
-            f"{r['tokens']} | {r['tokens_per_s']:.2f} | {r['server_prefill_s_mean']:.1f} / "
+            f"{r['tokens']} | {r['tokens_per_s']:.2f} | {r['step_tokens_per_s']:.2f} | "
+            f"{r['server_prefill_s_mean']:.1f} / "
             f"{r['server_question_prefill_s_mean']:.2f} |")
     return "\n".join(lines)
 
