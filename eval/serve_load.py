@@ -105,6 +105,13 @@ def ask(base: str, context: str, question: str, max_tokens: int) -> dict:
                                                       {"type": "text", "text": question}]}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
+    try:
+        return _stream(base, body, start)
+    except httpx.TimeoutException:  # no answer within 900 s: a failed request, not a crashed user
+        return {"status": "timeout"}
+
+
+def _stream(base: str, body: dict, start: float) -> dict:
     first, tokens, last, gaps = None, 0, None, []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
         if r.status_code != 200:
