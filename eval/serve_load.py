@@ -8,11 +8,17 @@ on the same context, one after the other, streamed, greedy, ``--max-tokens`` eac
 at a time, the users in turn, so the time to first token holds no wait in the queue). Bounded: at most
 ``users x (1 + questions)`` requests per method, and no new request after ``--time-limit`` seconds.
 
-Reported per method: contexts resident at the end and at most during the run (polled every second), reuse
-rate (store hits / requests), p50 and p95 time to first token (all requests, first questions, follow-ups),
-generated tokens per second over the run, prefills, resident bytes next to their uncompressed size.
+Each method runs once per ``--max-batch`` value (the server's continuous batching: sessions decoded together
+per step; ``--max-batch 1`` is the one-at-a-time server).
 
-    python -m eval.serve_load --users 4 --questions 3 --context-tokens 1024 --cache-memory 52MiB
+Reported per run: contexts resident at the end and at most during the run (polled every second), reuse
+rate (store hits / requests), p50 and p95 time to first token (all requests, first questions, follow-ups),
+p50 / p95 inter-token latency (gaps between streamed content chunks at the client), aggregate generated tokens
+per second over the run, tokens per second of the decode steps alone (server: tokens decoded in steps / seconds
+of those steps; first tokens come from question prefills), mean and largest batch size per decode step
+(server), prefills, resident bytes next to their uncompressed size.
+
+    python -m eval.serve_load --users 8 --questions 3 --context-tokens 512 --cache-memory 150MiB --max-batch 8 1
 """
 
 from __future__ import annotations
@@ -61,11 +67,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(method: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(method: str, max_batch: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--method", method, "--ratio",
            str(args.ratio), "--cache-memory", args.cache_memory, "--log-level", "warning",
-           "--max-queue", str(max(8, 2 * args.users))]
+           "--max-queue", str(max(8, 2 * args.users)), "--max-batch", str(max_batch)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.model:
@@ -94,12 +100,19 @@ def metrics(base: str) -> dict[str, float]:
 
 
 def ask(base: str, context: str, question: str, max_tokens: int) -> dict:
-    """One streamed chat request: time to first content token, total time, tokens generated."""
+    """One streamed chat request: time to first content token, gaps between content chunks, total time, tokens."""
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": context},
                                                       {"type": "text", "text": question}]}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, tokens = None, 0
+    try:
+        return _stream(base, body, start)
+    except httpx.TimeoutException:  # no answer within 900 s: a failed request, not a crashed user
+        return {"status": "timeout"}
+
+
+def _stream(base: str, body: dict, start: float) -> dict:
+    first, tokens, last, gaps = None, 0, None, []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
         if r.status_code != 200:
             return {"status": r.status_code}
@@ -109,10 +122,16 @@ def ask(base: str, context: str, question: str, max_tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - start
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                if first is None:
+                    first = now - start
+                else:
+                    gaps.append(now - last)
+                last = now
     total = time.perf_counter() - start
-    return {"status": 200, "ttft": first if first is not None else total, "seconds": total, "tokens": tokens}
+    return {"status": 200, "ttft": first if first is not None else total, "seconds": total, "tokens": tokens,
+            "gaps": gaps}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -122,8 +141,8 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def run_method(method: str, contexts: list[str], args: argparse.Namespace) -> dict:
-    proc, base = start_server(method, args)
+def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.Namespace) -> dict:
+    proc, base = start_server(method, max_batch, args)
     try:
         results: list[tuple[int, dict]] = []
         peak = {"sessions": 0.0}
@@ -169,7 +188,7 @@ def run_method(method: str, contexts: list[str], args: argparse.Namespace) -> di
     hits = sum(v for key, v in m.items() if key.startswith("kvcompress_context_reuse_hits_total{"))
     misses = m.get("kvcompress_context_reuse_misses_total", 0)
     return {
-        "method": method, "requests": len(results), "ok": len(ok), "wall_s": wall,
+        "method": method, "max_batch": max_batch, "requests": len(results), "ok": len(ok), "wall_s": wall,
         "sessions_resident_end": m.get("kvcompress_cache_sessions", 0),
         "sessions_resident_peak": max(peak["sessions"], m.get("kvcompress_cache_sessions", 0)),
         "resident_bytes": m.get("kvcompress_cache_resident_bytes", 0),
@@ -179,6 +198,15 @@ def run_method(method: str, contexts: list[str], args: argparse.Namespace) -> di
         "ttft_first_p50": percentile(first, 0.5), "ttft_follow_p50": percentile(follow, 0.5),
         "ttft_follow_p95": percentile(follow, 0.95),
         "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "tokens": sum(r["tokens"] for r in ok),
+        "itl_p50": percentile([g for r in ok for g in r["gaps"]], 0.5),
+        "itl_p95": percentile([g for r in ok for g in r["gaps"]], 0.95),
+        "step_tokens_per_s": m.get("kvcompress_batch_size_sum", 0) / max(1e-9, m.get(
+            "kvcompress_decode_step_seconds_sum", 0)),
+        "batch_mean": m.get("kvcompress_batch_size_sum", 0) / max(1, m.get("kvcompress_batch_size_count", 0)),
+        "batch_max": min((float(k.split('le="')[1].split('"')[0]) for k, v in m.items()
+                          if k.startswith("kvcompress_batch_size_bucket") and "+Inf" not in k
+                          and v == m.get("kvcompress_batch_size_count", 0) and v > 0), default=float("nan")),
         "server_prefill_s_mean": m.get("kvcompress_prefill_seconds_sum", 0)
         / max(1, m.get("kvcompress_prefill_seconds_count", 0)),
         "server_question_prefill_s_mean": m.get("kvcompress_question_prefill_seconds_sum", 0)
@@ -187,18 +215,23 @@ def run_method(method: str, contexts: list[str], args: argparse.Namespace) -> di
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| method | requests ok | contexts resident (end / peak) | resident MB (uncompressed MB) | prefills | "
-            "reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | tokens/s | "
+    head = ("| method | max batch | requests ok | contexts resident (end / peak) | resident MB (uncompressed MB) | "
+            "prefills | reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | "
+            "inter-token p50 / p95 s | batch per step (mean / max bucket) | tokens | tokens/s | "
+            "decode-step tokens/s | "
             "server: context prefill / question prefill s (mean) |")
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['ok']}/{r['requests']} | {r['sessions_resident_end']:.0f} / "
+            f"| {r['method']} | {r['max_batch']} | {r['ok']}/{r['requests']} | {r['sessions_resident_end']:.0f} / "
             f"{r['sessions_resident_peak']:.0f} | {r['resident_bytes'] / 1e6:.1f} "
             f"({r['uncompressed_bytes'] / 1e6:.1f}) | "
             f"{r['prefills']:.0f} | {r['reuse_rate']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
             f"{r['ttft_first_p50']:.2f} | {r['ttft_follow_p50']:.2f} / {r['ttft_follow_p95']:.2f} | "
-            f"{r['tokens_per_s']:.2f} | {r['server_prefill_s_mean']:.1f} / {r['server_question_prefill_s_mean']:.2f} |")
+            f"{r['itl_p50']:.3f} / {r['itl_p95']:.3f} | {r['batch_mean']:.2f} / {r['batch_max']:.0f} | "
+            f"{r['tokens']} | {r['tokens_per_s']:.2f} | {r['step_tokens_per_s']:.2f} | "
+            f"{r['server_prefill_s_mean']:.1f} / "
+            f"{r['server_question_prefill_s_mean']:.2f} |")
     return "\n".join(lines)
 
 
@@ -212,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=600, help="no new request after this many seconds")
+    p.add_argument("--max-batch", type=int, nargs="+", default=[8],
+                   help="the server's --max-batch; each method runs once per value (1 = one request at a time; "
+                        "default 8)")
     p.add_argument("--sequential", action="store_true",
                    help="one request at a time, users in turn (time to first token without queueing)")
     p.add_argument("--threads", type=int, help="torch threads of the server")
@@ -224,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.questions < 0:
         p.error("--questions: must be an integer >= 0")
     contexts = user_contexts(args.users, args.context_tokens)
-    rows = [run_method(method, contexts, args) for method in args.methods]
+    if min(args.max_batch) < 1:
+        p.error("--max-batch: must be integers >= 1")
+    rows = [run_method(method, max_batch, contexts, args) for method in args.methods for max_batch in args.max_batch]
     print(table(rows))
     if args.output:
         Path(args.output).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))

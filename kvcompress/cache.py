@@ -159,6 +159,12 @@ class WeightedLayer(DynamicLayer):
         return low, high
 
 
+def tag_layer(keys: torch.Tensor, layer: object) -> None:
+    """Mark ``keys`` (what a cache layer's ``update`` returns) as belonging to ``layer``, so the kvcompress attention
+    runs weighted attention over it with the layer's ``key_mask``, ``weights_for`` and ``value_range``."""
+    setattr(keys, _TAG, layer)
+
+
 def layer_of(keys: torch.Tensor) -> WeightedLayer | None:
     """The compressed layer whose ``update`` returned ``keys``, or None for an ordinary cache."""
     return getattr(keys, _TAG, None)

@@ -86,6 +86,8 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--method", "nope"], "--method"),
         (["--cache-memory", "lots"], "--cache-memory"),
         (["--max-queue", "0"], "--max-queue"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-batch-tokens", "-1"], "--max-batch-tokens"),
         (["--press-option", "window_size=-3"], "window_size"),
         (["--press-option", "snapkv.window_size=8"], "--press-option"),
         (["--press-option", "no_such_field=1"], "--press-option"),
@@ -138,11 +140,12 @@ def context_bytes_estimate(tokens: int) -> int:
 
 @pytest.fixture(scope="module")
 def server(embedded_dir):
-    """One server for the module: compresskv at 25% kept, room for about two of these contexts, an API key."""
+    """One server for the module: compresskv at 25% kept, an API key and a memory budget that stores two of these
+    contexts but not three, and holds one of them stored while a session on it decodes (its copy in the batch)."""
     import httpx
 
     port = free_port()
-    budget = int(2.2 * context_bytes_estimate(385))
+    budget = int(2.8 * context_bytes_estimate(385))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--threads", "1", "--api-key", API_KEY,
            "--max-queue", "8", "--cache-memory", str(budget), "--log-level", "warning"]
@@ -357,7 +360,8 @@ def test_full_queue_gets_429_and_disconnect_cancels(server):
     assert int(busy.headers["Retry-After"]) >= 1 and busy.json()["error"]["param"] == "queue"
 
     cancelled = metric(server, "kvcompress_cancelled_total")
-    long = {**body, "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "Tell a long story."}]}
+    # max_tokens within the server's small memory budget (each session reserves room for its whole answer)
+    long = {**body, "max_tokens": 120, "stream": True, "messages": [{"role": "user", "content": "Tell a long story."}]}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=long, headers=headers, timeout=300) as r:
         for line in r.iter_lines():
             if '"content": "' in line and '"content": ""' not in line:
@@ -451,7 +455,7 @@ def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(
         before = [(x, x.keys.clone(), x.values.clone(), x.row_weights.clone()) for x in stored.layers]
         with torch.inference_mode():  # what the worker thread runs under
             for temperature in (0.0, 1.0):
-                engine._serve(Job(context_ids, question_ids, max_tokens=5, temperature=temperature, seed=1))
+                engine.run_alone(Job(context_ids, question_ids, max_tokens=5, temperature=temperature, seed=1))
         assert engine.context_cache(context_ids) is stored
         for layer, (obj, k, v, w) in zip(stored.layers, before, strict=True):
             assert layer is obj and torch.equal(layer.keys, k) and torch.equal(layer.values, v)

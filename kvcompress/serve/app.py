@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvcompress.serve.engine import Engine, Job, QueueFull
+from kvcompress.serve.engine import Engine, Job, QueueFull, TooLarge
 from kvcompress.serve.protocol import ApiError, ChatRequest, CompletionRequest, chat_split, completion_split, parse
 
 log = logging.getLogger("kvcompress.serve")
@@ -72,7 +72,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         if limit is not None and prompt >= limit:
             raise ApiError(413, f"{field}: the prompt is {prompt} tokens; the model's maximum context is {limit} "
                                 "tokens (prompt plus at least one generated token)", field, "context_length_exceeded")
-        max_tokens = req.max_tokens
+        max_tokens, flexible = req.max_tokens, req.max_tokens is None
         if max_tokens is None:
             max_tokens = (limit - prompt) if limit is not None else 4096
         elif limit is not None and prompt + max_tokens > limit:
@@ -81,7 +81,8 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                                 f"so at most {limit - prompt} tokens can be generated, got {max_tokens}", name)
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         top_p = 1.0 if req.top_p is None else float(req.top_p)
-        return Job(context_ids, question_ids, max_tokens, temperature, top_p, req.seed, req.stop)
+        return Job(context_ids, question_ids, max_tokens, temperature, top_p, req.seed, req.stop,
+                   flexible_max=flexible)
 
     async def start(job: Job) -> None:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
@@ -89,10 +90,13 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
             engine.submit(job)
         except QueueFull as err:
             raise ApiError(429, f"queue: {err}", "queue", "queue_full", {"Retry-After": str(err.retry_after)}) from None
+        except TooLarge as err:
+            raise ApiError(413, str(err), "max_tokens", "memory_budget_exceeded") from None
 
     async def respond(request: Request, req, job: Job, kind: str):
-        await start(job)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        job.rid = rid
+        await start(job)
         if req.stream:
             events = stream_events(request, job, rid, kind, req)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -200,6 +204,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
     @app.get("/metrics")
     async def prometheus():
         metrics.set_store(engine.store.stats())
+        metrics.resident.labels(kind="stored").set(engine.store.stats()["bytes"])
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -45,9 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device-map", choices=("auto",), help="spread the model over the GPUs with accelerate (default: one device)"
     )
-    p.add_argument("--cache-memory", default="2GiB", help="budget of the resident compressed contexts (default 2GiB)")
+    p.add_argument("--cache-memory", default="2GiB",
+                   help="memory budget of everything resident: the stored compressed contexts and the decode "
+                        "batch of the active sessions (default 2GiB)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the model; more get 429 (default 64)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="most sessions decoded together in one step (continuous batching); 1 serves one request "
+                        "at a time (default 8)")
+    p.add_argument("--max-batch-tokens", type=int, default=131072,
+                   help="most cache rows one decode step holds: sessions x the longest session's reserved rows "
+                        "(context, question, max_tokens), padding included; bounds a step's attention work "
+                        "(default 131072)")
     p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -91,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         capacity = parse_bytes(args.cache_memory)
         if args.max_queue < 1:
             raise ValueError(f"--max-queue: must be an integer >= 1, got {args.max_queue}")
+        for flag in ("max_batch", "max_batch_tokens"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')}: must be an integer >= 1, got {getattr(args, flag)}")
         if not 0 < args.port < 65536:
             raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
         press, press_label = press_from_args(args)
@@ -127,11 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         if Path(args.model).exists() else args.model)
     metrics = ServerMetrics()
     engine = Engine(model, tokenizer, model_name=served, press=press, press_label=press_label,
-                    store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue)
+                    store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue,
+                    max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens)
     app = create_app(engine, served, api_key=args.api_key)
     logging.getLogger("kvcompress.serve").info(
-        "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s", served, args.method, args.ratio,
-        args.host, args.port, args.cache_memory)
+        "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d", served, args.method,
+        args.ratio, args.host, args.port, args.cache_memory, args.max_batch)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -1,9 +1,10 @@
-"""The model worker: one thread, a bounded queue, context prefill under the press, the store, generation.
+"""The model side of the server: context prefill under the press, the store, question prefill, sampling, streaming.
 
 Protocol (kvpress's pipeline): a request is ``context_ids`` (compressed, stored, reused) and ``question_ids``
 (never compressed). The context is prefilled once under the press (``with press(model): model.model(...)``),
-the question and every generated token run outside the press on an :func:`~kvcompress.serve.store.answer_view`
-of the stored cache, with explicit positions continuing after the context's tokens.
+the question runs outside the press on an :func:`~kvcompress.serve.store.answer_view` of the stored cache, with
+explicit positions continuing after the context's tokens; then the session decodes in the
+:class:`~kvcompress.serve.scheduler.Scheduler`'s batch with every other active session, one token per step.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvcompress.hf_attention import use_weighted_attention
+from kvcompress.serve.batch import RowSource, build, decode_step, session_rows
 from kvcompress.serve.metrics import ServerMetrics
 from kvcompress.serve.store import ContextStore, answer_view
 
@@ -27,9 +29,13 @@ log = logging.getLogger("kvcompress.serve")
 
 
 class QueueFull(Exception):
-    def __init__(self, retry_after: int):
-        super().__init__(f"the model worker's queue is full; retry after {retry_after} s")
+    def __init__(self, retry_after: int, why: str = "the model worker's queue is full"):
+        super().__init__(f"{why}; retry after {retry_after} s")
         self.retry_after = retry_after
+
+
+class TooLarge(Exception):
+    """A request that could not fit the memory budget even with nothing else resident."""
 
 
 @dataclass
@@ -47,17 +53,42 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    rid: str = "-"
+    flexible_max: bool = False  # max_tokens was not given: the server may lower it to fit its memory budget
+    submitted: float = field(default_factory=time.perf_counter)
 
     def emit(self, *event: Any) -> None:
         if self.loop is not None and self.events is not None:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+@dataclass
+class Session:
+    """A request between its first token and its last: what it generated, where it continues, what it streamed."""
+
+    job: Job
+    position: int  # token position of the pending token (context tokens + question + generated before it)
+    stop: StopText
+    generator: torch.Generator | None
+    rows: list[RowSource] | None = None  # its cache rows until it joins the decode batch
+    need: int = 0  # batch rows reserved: rows held now + tokens still to feed
+    ids: list[int] = field(default_factory=list)
+    pending: int = -1  # the last sampled token, fed at the next step
+    sent: int = 0
+    finish: str | None = None
+    started: float = 0.0  # admission
+    first_at: float = 0.0
+    last_at: float = 0.0
+
+
 class Engine:
-    """Owns the model; :meth:`submit` queues a :class:`Job`, the worker thread serves jobs one at a time."""
+    """Owns the model and the store; :meth:`submit` hands a :class:`Job` to the scheduler (continuous batching)."""
 
     def __init__(self, model, tokenizer, *, model_name: str, press, press_label: str, store: ContextStore,
-                 metrics: ServerMetrics, max_queue: int = 64, prefix_min_fraction: float = 0.5):
+                 metrics: ServerMetrics, max_queue: int = 64, prefix_min_fraction: float = 0.5, max_batch: int = 8,
+                 max_batch_tokens: int = 131072, memory: int | None = None):
+        from kvcompress.serve.scheduler import Scheduler
+
         self.model, self.tokenizer, self.press = model, tokenizer, press
         self.model_name, self.press_label = model_name, press_label
         self.store, self.metrics = store, metrics
@@ -68,49 +99,33 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = set(eos)
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._seconds_per_job = 1.0  # running mean, for Retry-After
-        self._thread = threading.Thread(target=self._run, name="kvcompress-worker", daemon=True)
-        self._thread.start()
+        use_weighted_attention(model)  # decode batches are tagged cache layers; untagged caches still run sdpa
+        config = getattr(model.config, "text_config", None) or model.config
+        heads = config.num_key_value_heads or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        element = torch.finfo(model.dtype).bits // 8
+        layers = config.num_hidden_layers
+        self.context_row_bytes = layers * heads * (2 * head_dim * element + 4)  # K, V, Nystrom weight
+        self.batch_row_bytes = layers * heads * (2 * head_dim * element + 4)
+        self.batch_session_bytes = layers * heads * head_dim * 4 * 2  # clip range, float32
+        keep = 1.0 - float(getattr(press, "compression_ratio", 0.0) or 0.0) if press is not None else 1.0
+        self.kept_fraction = keep
+        self.scheduler = Scheduler(self, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                                   memory=store.capacity if memory is None else memory, max_queue=max_queue)
 
     # -- HTTP side ---------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(max(1, math.ceil(self._queue.qsize() * self._seconds_per_job))) from None
-        self.metrics.queue_depth.set(self._queue.qsize())
+        self.scheduler.submit(job)
 
     def shutdown(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+        self.scheduler.stop()
 
-    # -- worker ------------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            job = self._queue.get()
-            self.metrics.queue_depth.set(self._queue.qsize())
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                self.metrics.cancelled.inc()
-                continue
-            start = time.perf_counter()
-            self.metrics.running.set(1)
-            try:
-                with torch.inference_mode():
-                    self._serve(job)
-            except Exception as err:  # noqa: BLE001 - the client gets a one-line error, the log the trace
-                log.exception("generation failed")
-                first = str(err).splitlines()[0] if str(err) else ""
-                job.emit("error", f"generation failed: {type(err).__name__}: {first}")
-            finally:
-                self.metrics.running.set(0)
-                self.metrics.set_store(self.store.stats())
-                self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (time.perf_counter() - start)
+    # -- model side (the scheduler's thread) ---------------------------------------------------------------
+    def stored(self, context_ids: list[int]):
+        """The store entry of exactly this context, or None (marks it used)."""
+        return self.store.get((tuple(context_ids), self.model_name, self.press_label)) if context_ids else None
 
-    def context_cache(self, context_ids: list[int]) -> DynamicCache:
+    def context_cache(self, context_ids: list[int], rid: str = "-") -> DynamicCache:
         """The stored cache of this context (exact hit, a stored earlier turn extended, or a new prefill)."""
         tokens = tuple(context_ids)
         key = (tokens, self.model_name, self.press_label)
@@ -119,6 +134,8 @@ class Engine:
         entry = self.store.get(key)
         if entry is not None:
             self.metrics.context_hits.labels(kind="exact").inc()
+            log.info("request %s reuse hit: %d context tokens stored as %d rows, no prefill", rid, len(tokens),
+                     entry.cache.get_seq_length(0))
             return entry.cache
         start = time.perf_counter()
         min_tokens = max(1, math.ceil(self.prefix_min_fraction * len(tokens)))
@@ -130,6 +147,9 @@ class Engine:
             tail = torch.tensor([tokens[prefix.tokens:]], device=device)
             positions = torch.arange(prefix.tokens, len(tokens), device=device).unsqueeze(0)
             self.model.model(input_ids=tail, past_key_values=cache, position_ids=positions)
+            log.info("request %s reuse hit (earlier turn): %d of %d context tokens stored, %d new tokens prefilled "
+                     "exact in %.2f s", rid, prefix.tokens, len(tokens), len(tokens) - prefix.tokens,
+                     time.perf_counter() - start)
         else:
             self.metrics.context_misses.inc()
             self.metrics.prefills.inc()
@@ -147,12 +167,17 @@ class Engine:
                     self.metrics.uncompressed.inc()
                     cache = DynamicCache()
                     self.model.model(input_ids=ids, past_key_values=cache)
+            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s", rid, len(tokens),
+                     cache.get_seq_length(0), time.perf_counter() - start)
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
         self.store.put(key, cache, len(tokens))
         return cache
 
-    def _serve(self, job: Job) -> None:
-        context = self.context_cache(job.context_ids)
+    def open_session(self, job: Job) -> Session:
+        """Context (stored or prefilled), question prefill and the first token (streamed). The returned session
+        has ``finish`` set when that token already ended it, else its ``rows`` ready to join the decode batch."""
+        started = time.perf_counter()
+        context = self.context_cache(job.context_ids, job.rid)
         self.metrics.set_store(self.store.stats())
         cache = answer_view(context) if job.context_ids else context
         device = self.model.device
@@ -169,44 +194,69 @@ class Engine:
             position_ids=torch.arange(n_ctx, n_ctx + n_q, device=device).unsqueeze(0),
             logits_to_keep=1,
         )
-        self.metrics.question_seconds.observe(time.perf_counter() - start)
-        decode_start = time.perf_counter()
-        ids: list[int] = []
-        sent, finish = 0, "length"
-        stream = StopText(job.stop)
-        position = n_ctx + n_q
-        while True:
-            token = sample(out.logits[0, -1], job.temperature, job.top_p, generator)
-            ids.append(token)
-            if token in self.eos_ids:
-                finish = "stop"
-                break
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            safe, stopped = stream.cut(text)
-            if safe > sent:
-                job.emit("text", text[sent:safe])
-                sent = safe
-            if stopped:
-                finish = "stop"
-                break
-            if len(ids) >= job.max_tokens or job.cancelled.is_set():
-                break
-            out = self.model(
-                input_ids=torch.tensor([[token]], device=device),
-                past_key_values=cache,
-                position_ids=torch.tensor([[position]], device=device),
-            )
-            position += 1
-        self.metrics.decode_seconds.observe(time.perf_counter() - decode_start)
-        self.metrics.completion_tokens.inc(len(ids))
+        now = time.perf_counter()
+        self.metrics.question_seconds.observe(now - start)
+        session = Session(job, n_ctx + n_q, StopText(job.stop), generator, started=started, first_at=now, last_at=now)
+        self.metrics.ttft_seconds.observe(now - job.submitted)
+        log.info("request %s question prefill: %d tokens in %.2f s; first token %.2f s after arrival (queued %.2f s)",
+                 job.rid, n_q, now - start, now - job.submitted, started - job.submitted)
+        token = sample(out.logits[0, -1], job.temperature, job.top_p, generator)
+        if not self.advance(session, token):
+            session.rows = session_rows(cache)
+            session.need = max(r.keys.shape[-2] for r in session.rows) + job.max_tokens - len(session.ids)
+        return session
+
+    def advance(self, session: Session, token: int) -> bool:
+        """Take a sampled token: stream what can be sent; True (and ``finish`` set) when the session is done."""
+        job = session.job
+        session.ids.append(token)
+        if token in self.eos_ids:
+            session.finish = "stop"
+            return True
+        text = self.tokenizer.decode(session.ids, skip_special_tokens=True)
+        safe, stopped = session.stop.cut(text)
+        if safe > session.sent:
+            job.emit("text", text[session.sent:safe])
+            session.sent = safe
+        if stopped:
+            session.finish = "stop"
+            return True
+        if len(session.ids) >= job.max_tokens:
+            session.finish = "length"
+            return True
         if job.cancelled.is_set():
+            session.finish = "cancelled"
+            return True
+        session.pending = token
+        return False
+
+    def close(self, session: Session, batch: int = 1) -> None:
+        """Send the end of a finished session (the rest of its text, ``done``), or count it cancelled."""
+        job, ids = session.job, session.ids
+        seconds = time.perf_counter() - session.first_at
+        self.metrics.decode_seconds.observe(seconds)
+        self.metrics.completion_tokens.inc(len(ids))
+        if job.cancelled.is_set() or session.finish == "cancelled":
             self.metrics.cancelled.inc()
+            log.info("request %s cancelled by the client after %d tokens", job.rid, len(ids))
             return
-        if not stream.stopped:
+        if not session.stop.stopped:
             text = self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
-            if len(text) > sent:
-                job.emit("text", text[sent:])
-        job.emit("done", finish, n_ctx + n_q, len(ids))
+            if len(text) > session.sent:
+                job.emit("text", text[session.sent:])
+        log.info("request %s decode: %d tokens in %.2f s (%.1f tokens/s), finish %s, batch %d", job.rid, len(ids),
+                 seconds, (len(ids) - 1) / seconds if seconds > 0 and len(ids) > 1 else 0.0, session.finish, batch)
+        job.emit("done", session.finish, len(job.context_ids) + len(job.question_ids), len(ids))
+
+    def run_alone(self, job: Job) -> None:
+        """Serve ``job`` start to end in this thread, in a decode batch of one (what ``--max-batch 1`` does)."""
+        session = self.open_session(job)
+        batch = build(None, [], [session.rows], session.need) if session.finish is None else None
+        while session.finish is None:
+            logits = decode_step(self.model, batch, [session.pending], [session.position])
+            session.position += 1
+            self.advance(session, sample(logits[0], job.temperature, job.top_p, session.generator))
+        self.close(session)
 
 
 class StopText:

@@ -16,7 +16,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens (context + question)", registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "generated tokens", registry=r)
         self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "requests waiting for the model worker", registry=r)
-        self.running = Gauge(f"{PREFIX}_requests_running", "requests the model worker is serving (0 or 1)", registry=r)
+        self.running = Gauge(f"{PREFIX}_requests_running", "sessions in the decode batch", registry=r)
+        self.resident = Gauge(f"{PREFIX}_resident_bytes", "bytes resident under --cache-memory by kind: stored "
+                              "(compressed contexts) or active (the decode batch, reserved rows included)", ["kind"],
+                              registry=r)
         self.cache_bytes = Gauge(f"{PREFIX}_cache_resident_bytes", "tensor bytes of the resident compressed contexts",
                                  registry=r)
         self.cache_full_bytes = Gauge(f"{PREFIX}_cache_uncompressed_bytes",
@@ -35,6 +38,19 @@ class ServerMetrics:
                                           buckets=buckets, registry=r)
         self.decode_seconds = Histogram(f"{PREFIX}_decode_seconds", "decode time per request", buckets=buckets,
                                         registry=r)
+        self.queue_seconds = Histogram(f"{PREFIX}_queue_seconds", "time from arrival to admission",
+                                       buckets=buckets, registry=r)
+        self.ttft_seconds = Histogram(f"{PREFIX}_time_to_first_token_seconds", "time from arrival to the first token",
+                                      buckets=buckets, registry=r)
+        fine = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.inter_token_seconds = Histogram(f"{PREFIX}_inter_token_seconds", "time between two tokens of a session",
+                                             buckets=fine, registry=r)
+        self.step_seconds = Histogram(f"{PREFIX}_decode_step_seconds", "one decode step of the whole batch",
+                                      buckets=fine, registry=r)
+        self.batch_size = Histogram(f"{PREFIX}_batch_size", "sessions decoded per step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.tokens_per_second = Gauge(f"{PREFIX}_decode_tokens_per_second", "tokens per second of the last step",
+                                       registry=r)
         self.uncompressed = Counter(f"{PREFIX}_press_fallbacks", "contexts the press could not compress (kept whole)",
                                     registry=r)
         self.cancelled = Counter(f"{PREFIX}_cancelled", "generations cancelled by a client disconnect", registry=r)

@@ -104,6 +104,22 @@ class ContextStore:
             self._entries[key] = entry
             return entry
 
+    def evict_to(self, limit: int, keep: StoreKey | None = None) -> int:
+        """Evict least recently used entries (never ``keep``) until at most ``limit`` bytes are resident; returns
+        the resident bytes (which stay above ``limit`` when only ``keep`` is left)."""
+        with self._lock:
+            for key in list(self._entries):
+                if self.resident_bytes_locked() <= limit:
+                    break
+                if key != keep:
+                    del self._entries[key]
+                    self.evictions += 1
+            return self.resident_bytes_locked()
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return self.resident_bytes_locked()
+
     def resident_bytes_locked(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 

@@ -1,0 +1,217 @@
+"""The decode batch: every active session's cache rows in one padded cache, one token per row per step.
+
+Layout, per model layer: buffers ``keys [B, h_kv, C, d]``, ``values [B, h_kv, C, d_v]``, ``weights [B, h_kv, C]``
+(float32) and the clip range ``v_min / v_max [B, h_kv, d_v]``. Batch row ``b`` holds session ``b``'s rows
+contiguously from row 0: its context (compressed rows with their Nystrom weights, or exact rows with weight 1),
+its question, then every generated token (weight 1); rows from ``lengths[b]`` on are unused, zero, and masked by
+``key_mask``. So sessions of different compressed lengths and different numbers of generated tokens share one
+rectangular batch, and a row sees exactly the rows it sees alone: weighted attention (Alg. 3 of WildCat) with a
+masked key is the same sum without that key.
+
+Positions are per row: a compressed context of ``n`` tokens holds ``r < n`` rows, so the token position that RoPE
+needs (``n + question + generated``) is not the row index; the step passes explicit ``position_ids [B, 1]`` and a
+4D mask, so transformers derives neither from the cache.
+
+A step appends one row per session in place (``index_put`` at each row's own length) and attends over the first
+``max(lengths) + 1`` rows. The capacity ``C`` is reserved up front for every session's whole answer (question +
+``max_tokens``), so a step never reallocates; the batch is rebuilt only when a session joins or leaves. A static
+cache for compiled decoding fits the same contract: fixed ``[B_bucket, h, C, d]`` buffers, a lengths tensor, the
+write at ``lengths`` and the mask ``arange(C) < lengths + 1``; only :class:`BatchLayer` changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvcompress.cache import WeightedLayer, tag_layer
+
+
+@dataclass
+class RowSource:
+    """One session's rows of one layer, batch row 1: keys ``[1, h, n, d]``, values, weights ``[1, h, n]``, range."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor
+    v_min: torch.Tensor
+    v_max: torch.Tensor
+
+
+def session_rows(cache: Cache) -> list[RowSource]:
+    """Per layer, the rows of a single session's cache (batch 1) with their weights and clip range.
+
+    A compressed layer (:class:`~kvcompress.cache.WeightedLayer`) gives its coreset weights and the range of its
+    context and later rows; an ordinary layer gives weight 1 and an infinite range (no clipping: its weighted
+    attention is ordinary attention)."""
+    out = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        if keys.shape[0] != 1:
+            raise ValueError(f"cache: a session's cache must have batch size 1, got {keys.shape[0]}")
+        rows = keys.shape[-2]
+        if isinstance(layer, WeightedLayer):
+            weights = layer.weights_for(rows)
+            v_min, v_max = layer.value_range(values)
+        else:
+            weights = torch.ones(1, keys.shape[1], rows, dtype=torch.float32, device=keys.device)
+            shape = (1, values.shape[1], values.shape[-1])
+            v_min = torch.full(shape, -math.inf, device=keys.device, dtype=torch.float32)
+            v_max = torch.full(shape, math.inf, device=keys.device, dtype=torch.float32)
+        out.append(RowSource(keys, values, weights.float(), v_min, v_max))
+    return out
+
+
+class BatchLayer(DynamicLayer):
+    """One layer of the decode batch (see the module docstring); tagged so the kvcompress attention runs weighted
+    attention over it with :meth:`key_mask`, :meth:`weights_for` and :meth:`value_range`."""
+
+    is_sliding = False
+
+    def __init__(self, keys, values, weights, v_min, v_max, lengths: list[int]):
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.keys, self.values, self.weights = keys, values, weights
+        self.value_min, self.value_max = v_min, v_max
+        self.lengths = list(lengths)  # rows held per batch row (host copy: shapes are decided on the host)
+        self.is_initialized = True
+        self._mask: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        batch, _, new, _ = key_states.shape
+        if new != 1 or batch != len(self.lengths):
+            raise ValueError(f"key_states: a decode step appends one row per session ([{len(self.lengths)}, h, 1, d]), "
+                             f"got {tuple(key_states.shape)}")
+        where = torch.tensor(self.lengths, device=self.device)
+        rows = torch.arange(batch, device=self.device)
+        self.keys[rows, :, where] = key_states[:, :, 0]
+        self.values[rows, :, where] = value_states[:, :, 0]
+        self.weights[rows, :, where] = 1.0
+        fresh = value_states[:, :, 0].to(self.value_min.dtype)
+        self.value_min = torch.minimum(self.value_min, fresh)
+        self.value_max = torch.maximum(self.value_max, fresh)
+        width = max(self.lengths) + 1
+        short = [n + 1 < width for n in self.lengths]
+        self._mask = None
+        if any(short):
+            visible = torch.tensor([n + 1 for n in self.lengths], device=self.device)
+            self._mask = torch.arange(width, device=self.device)[None, :] < visible[:, None]
+        self.lengths = [n + 1 for n in self.lengths]
+        keys, values = self.keys[:, :, :width], self.values[:, :, :width]
+        tag_layer(keys, self)
+        return keys, values
+
+    def key_mask(self, rows: int, attention_mask=None) -> torch.Tensor | None:
+        """``[B, rows]`` bool: each batch row's own rows (None when every row is that long)."""
+        return self._mask
+
+    def weights_for(self, rows: int) -> torch.Tensor:
+        return self.weights[:, :, :rows]
+
+    def value_range(self, values, key_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.value_min, self.value_max
+
+    def get_seq_length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.get_seq_length() + cache_position.shape[0], 0
+
+
+class DecodeBatch(Cache):
+    """The padded cache of the active sessions (a transformers ``Cache`` of :class:`BatchLayer`)."""
+
+    def __init__(self, layers: list[BatchLayer]):
+        super().__init__(layers=layers)
+
+    @property
+    def size(self) -> int:
+        return len(self.layers[0].lengths) if self.layers else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].keys.shape[-2] if self.layers else 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for t in (layer.keys, layer.values, layer.weights, layer.value_min, layer.value_max))
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.layers[layer_idx or 0].get_seq_length() if self.layers else 0
+
+
+def row_bytes(cache: Cache) -> int:
+    """Bytes one more row costs in a decode batch built from sessions like ``cache`` (all layers: K, V, weight)."""
+    total = 0
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        total += keys.shape[1] * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size() + 4)
+    return total
+
+
+def batch_bytes(rows: int, capacity: int, per_row: int, per_session: int) -> int:
+    """Bytes of a decode batch of ``rows`` sessions and ``capacity`` rows each (``per_session``: the clip ranges)."""
+    return rows * (capacity * per_row + per_session)
+
+
+def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]], capacity: int) -> DecodeBatch | None:
+    """A new decode batch: rows ``keep`` of ``kept`` (in that order), then the sessions ``new`` (each one list of
+    :class:`RowSource` per layer), every row with room for ``capacity`` rows. None when no session is left."""
+    if not keep and not new:
+        return None
+    layers = []
+    count = (len(kept.layers) if kept is not None else len(new[0]))
+    for i in range(count):
+        old = kept.layers[i] if kept is not None and keep else None
+        sources = [sess[i] for sess in new]
+        ref = old if old is not None else sources[0]
+        ref_keys, ref_values = ref.keys, ref.values
+        heads, d_k, d_v = ref_keys.shape[1], ref_keys.shape[-1], ref_values.shape[-1]
+        batch = len(keep) + len(sources)
+        keys = ref_keys.new_zeros(batch, heads, capacity, d_k)
+        values = ref_values.new_zeros(batch, heads, capacity, d_v)
+        weights = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=keys.device)
+        v_min = torch.empty(batch, heads, d_v, dtype=ref.v_min.dtype if old is None else old.value_min.dtype,
+                            device=keys.device)
+        v_max = torch.empty_like(v_min)
+        lengths = []
+        if old is not None:
+            index = torch.tensor(keep, device=keys.device)
+            span = min(old.keys.shape[-2], capacity)
+            keys[: len(keep), :, :span] = old.keys.index_select(0, index)[:, :, :span]
+            values[: len(keep), :, :span] = old.values.index_select(0, index)[:, :, :span]
+            weights[: len(keep), :, :span] = old.weights.index_select(0, index)[:, :, :span]
+            v_min[: len(keep)], v_max[: len(keep)] = old.value_min[index], old.value_max[index]
+            lengths += [old.lengths[b] for b in keep]
+        for j, src in enumerate(sources, start=len(keep)):
+            n = src.keys.shape[-2]
+            if n > capacity:
+                raise ValueError(f"capacity: {capacity} rows cannot hold a session of {n} rows")
+            keys[j, :, :n], values[j, :, :n], weights[j, :, :n] = src.keys[0], src.values[0], src.weights[0]
+            v_min[j], v_max[j] = src.v_min[0], src.v_max[0]
+            lengths.append(n)
+        layers.append(BatchLayer(keys, values, weights, v_min, v_max, lengths))
+    return DecodeBatch(layers)
+
+
+def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    """One decode step of every session: ``tokens[b]`` at token position ``positions[b]``; logits ``[B, vocab]``
+    (the model's dtype). Appends one row per session to ``batch``."""
+    device = batch.layers[0].device
+    width = batch.get_seq_length() + 1
+    mask = torch.zeros(len(tokens), 1, 1, width, dtype=torch.bool, device=device)
+    for b, n in enumerate(batch.layers[0].lengths):  # what an sdpa-only layer would need; weighted layers use theirs
+        mask[b, 0, 0, : n + 1] = True
+    out = model(
+        input_ids=torch.tensor(tokens, device=device)[:, None],
+        position_ids=torch.tensor(positions, device=device)[:, None],
+        past_key_values=batch,
+        attention_mask=mask,
+        cache_position=torch.tensor([width - 1], device=device),
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    return out.logits[:, -1]

@@ -1,0 +1,253 @@
+"""Continuous batching: one worker thread decodes one token for every active session per step.
+
+Between two steps the scheduler retires finished or cancelled sessions and admits waiting requests in arrival
+order: a request's context is taken from the store or prefilled and compressed, its question is prefilled as a
+step of its own (batch 1) and its first token streamed; then it joins the decode batch
+(:mod:`kvcompress.serve.batch`). Why the question prefill is its own step and not chunked into decode steps:
+
+- the decode step keeps one token per row, the fixed shape a static cache and one CUDA graph per batch-size
+  bucket need (the compiled decode path plugs in there);
+- questions are short (tens of tokens): their prefill costs about one decode step; the long part, the context's
+  prefill and compression, cannot be chunked into decode steps at all, since the press needs the whole context;
+- it is the one-request path, so the first token is the one a lone request gets.
+
+At most one context prefill runs between two decode steps while sessions are decoding, so a burst of new
+contexts delays the running answers by one prefill per step, not by all of them.
+
+Memory: one budget (``--cache-memory``) for everything resident: the stored contexts plus the decode batch. A
+session reserves its whole answer when it joins (rows of its context and question + ``max_tokens``), padded to
+the longest session of the batch (the batch is rectangular), so a step never needs memory it does not hold.
+Admission evicts least recently used stored contexts, never an active session; a request that does not fit waits
+in the queue (first come, first served); a full queue answers 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+
+import torch
+
+from kvcompress.serve.batch import DecodeBatch, batch_bytes, build, decode_step
+from kvcompress.serve.engine import Job, QueueFull, Session, TooLarge, sample
+
+log = logging.getLogger("kvcompress.serve")
+
+
+class Scheduler:
+    """Owns the decode batch and the waiting queue of an :class:`~kvcompress.serve.engine.Engine`."""
+
+    def __init__(self, engine, *, max_batch: int, max_batch_tokens: int, memory: int, max_queue: int):
+        if max_batch < 1:
+            raise ValueError(f"--max-batch: must be an integer >= 1, got {max_batch}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"--max-batch-tokens: must be an integer >= 1, got {max_batch_tokens}")
+        self.engine, self.metrics = engine, engine.metrics
+        self.max_batch, self.max_batch_tokens, self.memory, self.max_queue = (
+            max_batch, max_batch_tokens, memory, max_queue)
+        self.active: list[Session] = []
+        self.batch: DecodeBatch | None = None
+        self._waiting: deque[Job] = deque()
+        self._ready: deque[Session] = deque()  # opened, waiting for room in the batch
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._seconds_per_request = 1.0  # running mean, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="kvcompress-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- HTTP side ---------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        need, context_bytes, _ = self._estimate(job, peek=True)
+        alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))  # the stored copy may be dropped
+        if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
+            room = (self.memory - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
+            job.max_tokens = min(job.max_tokens, room - (need - job.max_tokens))
+            need, _, _ = self._estimate(job, peek=True)
+            alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))
+        if alone > self.memory or job.max_tokens < 1:
+            raise TooLarge(
+                f"max_tokens: this request needs about {alone / 2**20:.1f} MiB resident (its context's cache and "
+                f"room for {job.max_tokens} tokens), more than the server's memory budget of "
+                f"{self.memory / 2**20:.1f} MiB (--cache-memory); ask for fewer tokens")
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                wait = math.ceil(len(self._waiting) * self._seconds_per_request / self.max_batch)
+                raise QueueFull(max(1, wait), "the queue of waiting requests is full")
+            self._waiting.append(job)
+            waiting = len(self._waiting)
+            self._cond.notify()
+        self.metrics.queue_depth.set(waiting)
+        log.info("request %s queued: context %d tokens, question %d tokens, max_tokens %d (%d waiting, %d decoding)",
+                 job.rid, len(job.context_ids), len(job.question_ids), job.max_tokens, waiting, len(self.active))
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    # -- accounting --------------------------------------------------------------------------------------
+    def _batch_bytes(self, sessions: int, capacity: int) -> int:
+        e = self.engine
+        return batch_bytes(sessions, capacity, e.batch_row_bytes, e.batch_session_bytes)
+
+    def _estimate(self, job: Job, peek: bool = False) -> tuple[int, int, tuple | None]:
+        """(batch rows the session will reserve, bytes its context adds to the store, the key of the stored entry it
+        will use). A stored context's rows are known; a new one is estimated from the press's kept fraction and
+        checked again after its prefill."""
+        e = self.engine
+        entry = None if peek else e.stored(job.context_ids)
+        key = None
+        if entry is not None:
+            rows, new_bytes, key = max(layer.keys.shape[-2] for layer in entry.cache.layers), 0, entry.key
+        else:
+            rows = math.ceil(len(job.context_ids) * e.kept_fraction)
+            new_bytes = rows * e.context_row_bytes
+            if not peek and job.context_ids:  # a stored earlier turn of this chat is used, not evicted
+                min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))
+                prefix = e.store.longest_prefix(tuple(job.context_ids), e.model_name, e.press_label, min_tokens)
+                key = prefix.key if prefix is not None else None
+        need = 0 if job.max_tokens <= 1 else rows + len(job.question_ids) + job.max_tokens - 1
+        return need, new_bytes, key
+
+    def _capacity(self, sessions: list[Session]) -> int:
+        return max((s.need for s in sessions), default=0)
+
+    def _fits(self, joining: list[Session], need: int, new_bytes: int, keep) -> bool:
+        """Whether a session reserving ``need`` batch rows fits beside the active and joining sessions. When it
+        does, stored contexts are evicted (least recently used first, ``keep`` last) so the batch, the stored
+        contexts and ``new_bytes`` of a context about to be stored stay within the budget; a context that then
+        does not fit is served but not stored. Active sessions are never touched."""
+        sessions = len(self.active) + len(joining)
+        capacity = self._capacity(self.active + joining)
+        if need:
+            if sessions >= self.max_batch:
+                return False
+            capacity = max(capacity, need)
+            if sessions and (sessions + 1) * capacity > self.max_batch_tokens:
+                return False
+            sessions += 1
+        batch = self._batch_bytes(sessions, capacity)
+        if batch > self.memory and sessions > 1:
+            return False
+        store = self.engine.store
+        room = max(self.memory - batch, 0)
+        if store.evict_to(max(room - new_bytes, 0), keep) > room:
+            store.evict_to(room)  # even the context this request uses: the request holds it until it joins
+        store.capacity = room
+        return True
+
+    def _publish(self) -> None:
+        stats = self.engine.store.stats()
+        self.metrics.set_store(stats)
+        self.metrics.resident.labels(kind="stored").set(stats["bytes"])
+        self.metrics.resident.labels(kind="active").set(self.batch.nbytes() if self.batch is not None else 0)
+        self.metrics.running.set(len(self.active))
+        with self._cond:
+            self.metrics.queue_depth.set(len(self._waiting))
+
+    # -- the worker --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._waiting or self.active or self._ready):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                try:
+                    self._admit()
+                    if self.active:
+                        self._step()
+                except Exception as err:  # noqa: BLE001 - the clients get a one-line error, the log the trace
+                    log.exception("decode step failed")
+                    self._fail_all(err)
+                self._publish()
+
+    def _fail_all(self, err: Exception) -> None:
+        first = str(err).splitlines()[0] if str(err) else ""
+        for session in self.active:
+            session.job.emit("error", f"generation failed: {type(err).__name__}: {first}")
+        self.active, self.batch = [], None
+
+    def _admit(self) -> None:
+        joining: list[Session] = []
+        prefilled = False
+        while True:
+            if self._ready:  # opened sessions first: they hold memory already
+                session = self._ready[0]
+                if not self._fits(joining, session.need, 0, None):
+                    break
+                joining.append(self._ready.popleft())
+                continue
+            with self._cond:
+                while self._waiting and self._waiting[0].cancelled.is_set():
+                    self._waiting.popleft()
+                    self.metrics.cancelled.inc()
+                job = self._waiting[0] if self._waiting else None
+            if job is None or (prefilled and (self.active or joining)):
+                break
+            need, new_bytes, key = self._estimate(job)
+            if not self._fits(joining, need, new_bytes, key):
+                break
+            with self._cond:
+                self._waiting.popleft()
+            self.metrics.queue_seconds.observe(time.perf_counter() - job.submitted)
+            prefilled = prefilled or new_bytes > 0
+            try:
+                session = self.engine.open_session(job)
+            except Exception as err:  # noqa: BLE001
+                log.exception("request %s failed", job.rid)
+                first = str(err).splitlines()[0] if str(err) else ""
+                job.emit("error", f"generation failed: {type(err).__name__}: {first}")
+                continue
+            if session.finish is not None:
+                self._retired(session)
+            elif self._fits(joining, session.need, 0, None):
+                joining.append(session)
+            else:
+                self._ready.append(session)
+        if joining:
+            keep = list(range(len(self.active)))
+            capacity = self._capacity(self.active + joining)
+            self.batch = build(self.batch, keep, [s.rows for s in joining], capacity)
+            for session in joining:
+                session.rows = None  # the batch holds them now
+            self.active += joining
+
+    def _retired(self, session: Session) -> None:
+        self.engine.close(session, batch=len(self.active))
+        seconds = time.perf_counter() - session.started
+        self._seconds_per_request = 0.8 * self._seconds_per_request + 0.2 * seconds
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        sessions = self.active
+        logits = decode_step(self.engine.model, self.batch, [s.pending for s in sessions],
+                             [s.position for s in sessions])
+        greedy = logits.argmax(-1).tolist()
+        now = time.perf_counter()
+        done = []
+        for b, session in enumerate(sessions):
+            job = session.job
+            session.position += 1
+            token = greedy[b] if job.temperature <= 0 else sample(logits[b], job.temperature, job.top_p,
+                                                                   session.generator)
+            self.metrics.inter_token_seconds.observe(now - session.last_at)
+            session.last_at = now
+            if self.engine.advance(session, token):
+                done.append(b)
+        seconds = time.perf_counter() - start
+        self.metrics.batch_size.observe(len(sessions))
+        self.metrics.step_seconds.observe(seconds)
+        self.metrics.tokens_per_second.set(len(sessions) / seconds if seconds > 0 else 0.0)
+        if done:
+            for b in done:
+                self._retired(sessions[b])
+            keep = [b for b in range(len(sessions)) if b not in done]
+            self.active = [sessions[b] for b in keep]
+            self.batch = build(self.batch, keep, [], self._capacity(self.active))

@@ -1,0 +1,343 @@
+"""Continuous batching (kvcompress.serve.batch / scheduler): the decode batch against each session alone on a tiny
+random model (fast), and a real server with the embedded model against the official ``openai`` client (slow)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tests.tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sessions(model, press, specs, seed=0):
+    """Per spec (context tokens, question tokens, compressed?): (context ids, question ids, stored cache)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n_ctx, n_q, compressed in specs:
+        ctx = torch.randint(0, model.config.vocab_size, (1, n_ctx), generator=g)
+        question = torch.randint(0, model.config.vocab_size, (1, n_q), generator=g)
+        cache = DynamicCache()
+        if compressed:
+            with press(model):
+                model.model(input_ids=ctx, past_key_values=cache)
+        else:
+            model.model(input_ids=ctx, past_key_values=cache)
+        out.append((ctx, question, cache))
+    return out
+
+
+def _alone(model, ctx, question, cache, steps):
+    """Greedy decode of one session on its own cache (the one-request path): logits of every step."""
+    from kvcompress.serve.store import answer_view
+
+    cache = answer_view(cache)
+    n, m = ctx.shape[1], question.shape[1]
+    out = model(input_ids=question, past_key_values=cache, position_ids=torch.arange(n, n + m)[None],
+                logits_to_keep=1)
+    logits = [out.logits[0, -1]]
+    for step in range(steps):
+        token = logits[-1].argmax().view(1, 1)
+        out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[n + m + step]]))
+        logits.append(out.logits[0, -1])
+    return logits
+
+
+@torch.no_grad()
+def test_decode_batch_equals_each_session_alone_with_joins_and_leaves():
+    """Three sessions of different compressed lengths (and one never compressed), different question lengths and
+    positions: each step of the batch gives each session the logits it gets alone, while one session joins late
+    and one leaves early (the batch rebuilt around them). float64, so the batch's other reduction order (a GEMM
+    over the batch instead of a GEMV per session) moves logits by ~1e-13; 1e-9 leaves room for that and nothing
+    a wrong position, mask or weight would give (those change logits by O(1e-2) or more on this model)."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, decode_step, session_rows
+    from kvcompress.serve.store import answer_view
+
+    model = tiny_model("llama", dtype=torch.float64)
+    press = make_press("compresskv_paper", 0.75, 0)
+    use_weighted_attention(model)
+    specs = [(300, 5, True), (420, 9, True), (50, 3, False)]
+    sessions = _sessions(model, press, specs)
+    assert [type(c.layers[0]).__name__ for _, _, c in sessions] == ["WeightedLayer", "WeightedLayer", "DynamicLayer"]
+    rows = [c.layers[0].keys.shape[-2] for _, _, c in sessions]
+    assert rows[0] != rows[1] and rows[0] < 300  # compressed, to different lengths
+    steps = 6
+    alone = [_alone(model, *s, steps) for s in sessions]
+
+    def opened(i):
+        ctx, question, cache = sessions[i]
+        view = answer_view(cache)
+        n, m = ctx.shape[1], question.shape[1]
+        out = model(input_ids=question, past_key_values=view, position_ids=torch.arange(n, n + m)[None],
+                    logits_to_keep=1)
+        torch.testing.assert_close(out.logits[0, -1], alone[i][0], rtol=0, atol=1e-9)
+        return session_rows(view), int(out.logits[0, -1].argmax()), n + m
+
+    capacity = max(rows) + 9 + steps + 1
+    rows0, tok0, pos0 = opened(0)
+    rows1, tok1, pos1 = opened(1)
+    batch = build(None, [], [rows0, rows1], capacity)
+    members = {0: [tok0, pos0, 0], 1: [tok1, pos1, 0]}  # session -> [pending token, position, step]
+    order = [0, 1]
+    rnd = 0
+    while order:
+        if rnd == 2:  # session 2 joins while the others decode
+            rows2, tok2, pos2 = opened(2)
+            batch = build(batch, list(range(len(order))), [rows2], capacity)
+            order.append(2)
+            members[2] = [tok2, pos2, 0]
+        logits = decode_step(model, batch, [members[s][0] for s in order], [members[s][1] for s in order])
+        for b, s in enumerate(order):
+            state = members[s]
+            state[2] += 1
+            torch.testing.assert_close(logits[b], alone[s][state[2]], rtol=0, atol=1e-9)
+            state[0], state[1] = int(logits[b].argmax()), state[1] + 1
+        # session 0 leaves early, the others when done: the batch is rebuilt around the rest
+        keep = [b for b, s in enumerate(order) if members[s][2] < steps and not (s == 0 and rnd == 3)]
+        if len(keep) < len(order):
+            batch = build(batch, keep, [], capacity)
+            order = [order[b] for b in keep]
+        rnd += 1
+    assert [members[s][2] for s in range(3)] == [4, steps, steps]
+
+
+@torch.no_grad()
+def test_decode_batch_rows_are_masked_not_read():
+    """A batch row never reads another row's or its own unused rows: filling them with garbage (large keys and
+    values beyond each row's length) changes no bit of the logits (a masked row adds exactly 0)."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, decode_step, session_rows
+
+    model = tiny_model("llama", dtype=torch.float64, seed=1)
+    press = make_press("compresskv_paper", 0.75, 0)
+    use_weighted_attention(model)
+    sessions = _sessions(model, press, [(280, 4, True), (360, 4, True)], seed=3)
+    sources = [session_rows(c) for _, _, c in sessions]
+    tokens, positions = [5, 7], [284, 364]
+    clean = decode_step(model, build(None, [], sources, 200), tokens, positions)
+    dirty = build(None, [], sources, 200)
+    for layer in dirty.layers:
+        for b, n in enumerate(layer.lengths):
+            layer.keys[b, :, n:] = 1e3 * torch.randn_like(layer.keys[b, :, n:])
+            layer.values[b, :, n:] = 1e3 * torch.randn_like(layer.values[b, :, n:])
+    poisoned = decode_step(model, dirty, tokens, positions)
+    assert torch.isfinite(poisoned).all()
+    torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+
+
+# -- a real server: continuous batching against each request alone ----------------------------------------------
+ROW_BYTES = 30 * 3 * (2 * 64 * 4 + 4)  # one decode-batch row of SmolLM2-135M in float32: K, V, weight per KV head
+BUDGET = 2150 * ROW_BYTES  # ~100 MB: 8 sessions of ~110 rows plus their 8 stored contexts fit; 3 of ~740 rows do not
+
+
+@pytest.fixture(scope="module")
+def batch_server(embedded_dir, tmp_path_factory):
+    """compresskv_paper (a fast prefill) at 25% kept, 8 sessions per step, 8 waiting at most, INFO logs to a file."""
+    import httpx
+
+    from tests.test_serve import API_KEY, free_port
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--threads", "1", "--api-key", API_KEY,
+           "--method", "compresskv_paper", "--max-batch", "8", "--max-queue", "8", "--cache-memory", str(BUDGET),
+           "--log-level", "info"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not start in 300 s")
+    yield base, log_path
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+
+
+def _ask(base: str, doc: str, question: str, max_tokens: int, stop=None):
+    from tests.test_serve import client, doc_question
+
+    reply = client(base).chat.completions.create(model="SmolLM2-135M-Instruct", messages=doc_question(doc, question),
+                                                 temperature=0, max_tokens=max_tokens, stop=stop)
+    return reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens
+
+
+QUESTIONS = ["\n\nWhat does this text describe? Answer briefly.", "\n\nName one keyword from the text.",
+             "\n\nWhat is the first word?", "\n\nSummarise it in one sentence.", "\n\nWhich example does it give?",
+             "\n\nIs anything deprecated here?", "\n\nWho would read this?", "\n\nWhat is the title?"]
+
+
+@pytest.mark.slow
+def test_eight_concurrent_sessions_get_their_answers_alone(batch_server):
+    """8 sessions with different contexts, questions, max_tokens and stop strings, all in flight at once (joining
+    the batch as their contexts are prefilled, while the others decode), each get exactly (text, finish reason,
+    token count) what the same request gets alone afterwards. float32: the batch moves logits by ~1e-5 against a
+    gap between the two best tokens that is orders of magnitude larger on these answers (the tiny-model test
+    above checks the logits themselves)."""
+    from tests.test_serve import contexts, metric
+
+    base, _ = batch_server
+    docs = contexts(8, tokens=300)
+    max_tokens = [4, 6, 8, 10, 12, 14, 16, 9]
+    stops = [None, ["."], [" the"], ["\n"], None, [","], [" is", "."], None]
+    steps = metric(base, "kvcompress_batch_size_count")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_ask, base, docs[i], QUESTIONS[i], max_tokens[i], stops[i]) for i in range(8)]
+        together = [f.result() for f in futures]
+    batched = metric(base, "kvcompress_batch_size_sum") / max(1, metric(base, "kvcompress_batch_size_count"))
+    alone_steps = metric(base, "kvcompress_batch_size_count")
+    alone = [_ask(base, docs[i], QUESTIONS[i], max_tokens[i], stops[i]) for i in range(8)]
+    assert together == alone
+    assert len({text for text, _, _ in alone}) == 8 and any(f == "stop" for _, f, _ in alone)
+    assert alone_steps > steps and batched > 2  # the concurrent sessions really shared decode steps
+    assert metric(base, "kvcompress_batch_size_sum") / metric(base, "kvcompress_batch_size_count") < batched
+    assert metric(base, "kvcompress_cache_sessions") == 8  # every context stored once, reused alone
+
+
+@pytest.mark.slow
+def test_a_session_joining_and_one_cancelled_leave_the_others_unchanged(batch_server):
+    import httpx
+
+    from tests.test_serve import API_KEY, contexts, doc_question, metric
+
+    base, _ = batch_server
+    docs = contexts(11, tokens=300)[8:]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    cancelled = metric(base, "kvcompress_cancelled_total")
+    started, results = threading.Event(), {}
+
+    def stream_a() -> None:
+        body = {"messages": doc_question(docs[0], QUESTIONS[0]), "max_tokens": 24, "temperature": 0, "stream": True}
+        pieces = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+            for line in r.iter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    pieces.append(line)
+                    if len(pieces) == 2:
+                        started.set()  # A is decoding: B joins, C starts and hangs up
+        results["a"] = pieces
+
+    def cancel_c() -> None:
+        body = {"messages": doc_question(docs[2], QUESTIONS[2]), "max_tokens": 60, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+            seen = 0
+            for line in r.iter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    seen += 1
+                    if seen == 2:
+                        break
+
+    a = threading.Thread(target=stream_a)
+    a.start()
+    assert started.wait(300)
+    c = threading.Thread(target=cancel_c)
+    c.start()
+    b = _ask(base, docs[1], QUESTIONS[1], 12)
+    a.join()
+    c.join()
+    deadline = time.time() + 60
+    while metric(base, "kvcompress_cancelled_total") == cancelled and time.time() < deadline:
+        time.sleep(0.5)
+    assert metric(base, "kvcompress_cancelled_total") == cancelled + 1
+    a_text = "".join(json.loads(line[6:])["choices"][0]["delta"]["content"] for line in results["a"])
+    assert (a_text, b) == (_ask(base, docs[0], QUESTIONS[0], 24)[0], _ask(base, docs[1], QUESTIONS[1], 12))
+
+
+@pytest.mark.slow
+def test_memory_budget_queues_then_429_and_never_evicts_an_active_session(batch_server):
+    """Each request reserves ~740 rows (its answer's room): two fit the budget at once, 8 wait, the rest get
+    429 with Retry-After; every admitted one gets the answer a lone request gets, and the resident bytes never
+    pass the budget (stored contexts are evicted to make room, active sessions never)."""
+    import httpx
+
+    from tests.test_serve import API_KEY, metric
+
+    base, _ = batch_server
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": 700,
+            "temperature": 0, "stop": [","]}
+    peak, done = [0.0], threading.Event()
+    small = metric(base, "kvcompress_batch_size_bucket", '{le="2.0"}')
+    steps = metric(base, "kvcompress_batch_size_count")
+
+    def poll() -> None:
+        while not done.wait(0.2):
+            resident = sum(metric(base, "kvcompress_resident_bytes", f'{{kind="{k}"}}') for k in ("stored", "active"))
+            peak[0] = max(peak[0], resident)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(lambda _: httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers,
+                                                         timeout=300), range(16)))
+    finally:
+        done.set()
+        poller.join()
+    codes = sorted(r.status_code for r in replies)
+    assert set(codes) == {200, 429} and codes.count(200) >= 9, codes  # one admitted at once + 8 waiting
+    assert metric(base, "kvcompress_batch_size_count") - steps == metric(
+        base, "kvcompress_batch_size_bucket", '{le="2.0"}') - small  # the budget held every step to 2 sessions
+    busy = next(r for r in replies if r.status_code == 429)
+    assert int(busy.headers["Retry-After"]) >= 1 and busy.json()["error"]["param"] == "queue"
+    alone = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=300).json()
+    answers = {r.json()["choices"][0]["message"]["content"] for r in replies if r.status_code == 200}
+    assert answers == {alone["choices"][0]["message"]["content"]}
+    assert 0 < peak[0] <= BUDGET
+
+    too_big = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=60,
+                         json={**body, "max_tokens": 3000})  # within the model's 8k, not within the budget
+    assert too_big.status_code == 413 and too_big.json()["error"]["param"] == "max_tokens"
+    unbounded = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=300,
+                           json={"messages": [{"role": "user", "content": "Say hi."}], "temperature": 0})
+    assert unbounded.status_code == 200  # no max_tokens: the server lowers its default to what the budget holds
+
+
+@pytest.mark.slow
+def test_bad_inputs_keep_their_errors_and_phases_are_logged(batch_server):
+    import httpx
+
+    from tests.test_serve import API_KEY, BAD_INPUTS
+
+    base, log_path = batch_server
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for _ in range(2):  # a prefill, then a reuse hit
+        ok = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=300, json={
+            "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200
+    for body, status, param in BAD_INPUTS:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), (body, r.text)
+    log = log_path.read_text()
+    for phase in (r"queued: context \d+ tokens", r"prefill\+compress: \d+ context tokens -> \d+ rows in [\d.]+ s",
+                  r"reuse hit: \d+ context tokens", r"question prefill: \d+ tokens in [\d.]+ s; first token",
+                  r"decode: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\)"):
+        assert re.search(r"INFO kvcompress\.serve: request \S+ " + phase, log), phase
