@@ -61,7 +61,7 @@ def test_max_differs_from_sum_where_a_key_is_needed_once():
 
 
 def test_bad_reduce_and_score_pooling_are_one_line_errors():
-    with pytest.raises(ValueError, match=r"^reduce: must be 'sum' or 'max', got 'mean'$"):
+    with pytest.raises(ValueError, match=r"^reduce: must be one of 'sum', 'max', got 'mean'$"):
         attention_mass(torch.randn(1, 2, 3, 4), torch.randn(1, 1, 5, 4), 0.5, reduce="mean")
     with pytest.raises(ValueError, match=r"^score_pooling: must be one of 'sum', 'max', got 'mean'$"):
         CompressKVPress(score_pooling="mean")
