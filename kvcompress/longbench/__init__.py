@@ -8,6 +8,7 @@ process shards), ``metrics`` (LongBench's metrics), ``scoring``, ``report`` (tab
 From any directory, after ``pip install`` (``kvcompress eval`` = ``python eval/longbench.py`` in a clone)::
 
     kvcompress eval                                                   # embedded offline run
+    kvcompress eval --benchmark ruler --length 4096                   # RULER-style tasks (kvcompress.ruler)
     kvcompress eval --model Qwen/Qwen2.5-7B-Instruct --ratio 0.25
     kvcompress eval --config configs/longbench_e_qwen2.5_7b.yaml      # Table 4 (the YAML is in a clone)
     accelerate launch --multi_gpu --num_processes 4 eval/longbench.py --config ...   # 4 processes, 1 GPU each
