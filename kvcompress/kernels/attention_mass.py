@@ -188,7 +188,7 @@ def attention_mass_kernel(
     # Pass 1 streams keys past resident rows (FlashAttention tiles); pass 2 streams rows past a resident key
     # tile, so a wider tile there amortises every query load over more keys.
     block_n1 = block_n or (32 if wide else 64)
-    block_n2 = block_n or (64 if wide else 128)
+    block_n2 = block_n or (64 if wide or queries.element_size() == 4 else 128)  # fp32 tiles: half (shared memory)
     device = queries.device
     positions = query_positions.to(device=device, dtype=torch.int64) if query_positions is not None else None
     pos_t = positions if positions is not None else torch.zeros(1, dtype=torch.int64, device=device)
