@@ -8,7 +8,8 @@ from device tensors (the filler mask, the model's mask over the new rows, and a 
 so no Python value changes per step: ``torch.compile(fullgraph=True)`` traces one graph for every step, and
 ``mode="reduce-overhead"`` replays it as a CUDA graph. Attention runs ``torch.ops.kvcompress.weighted_attention_rows``
 (:mod:`kvcompress.ops`). Full-attention layers that were not compressed become transformers ``StaticLayer``s and
-sliding-window layers ``StaticSlidingWindowLayer``s at their window.
+sliding-window layers rings of their window (:class:`kvcompress.static_layers.StaticWindowLayer`: no host counter,
+unlike transformers' ``StaticSlidingWindowLayer``, which recompiles every step under ``fullgraph=True``).
 
 Two ways to get one::
 
