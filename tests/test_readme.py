@@ -30,6 +30,9 @@ header = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}], toke
 assert context_text.startswith(header) and question_suffix.strip()  # the template cut as kvpress's pipeline cuts it
 n = context_ids.shape[1]
 assert cache.get_seq_length() >= n + 1 and cache.get_seq_length(0) < n  # stands for the context, holds fewer rows
+static, out, static_answer = compiled
+assert type(static).__name__ == "StaticWeightedCache" and 0 < static.remaining() < 64
+assert isinstance(static_answer, str) and static_answer.strip(), static_answer
 ids, out, answers = padded
 assert out.shape[0] == len(answers) == 2 and all(isinstance(a, str) for a in answers)
 assert k_s.shape == (2, 4, 1020, 64) and torch.isfinite(attention_out).all()
@@ -62,11 +65,11 @@ def test_readme_blocks_need_nothing_a_reader_would_not_have():
 @pytest.mark.slow
 def test_readme_python_blocks_run_from_a_temporary_directory(tmp_path):
     blocks = [b for b in python_blocks() if "OpenAI(" not in b]
-    assert len(blocks) == 4  # pipeline usage, the same by hand, padded batches, the tensor API
+    assert len(blocks) == 5  # pipeline usage, the same by hand, the static cache, padded batches, the tensor API
     # Later blocks reuse names (ids, out, cache); the checks keep each block's own between blocks.
     script = "\n".join(
-        [blocks[0], blocks[1], "manual = ids, out, cache, context_ids", blocks[2], "padded = ids, out, answers",
-         blocks[3], "attention_out = out", CHECKS]
+        [blocks[0], blocks[1], "manual = ids, out, cache, context_ids", blocks[2], "compiled = static, out, answer",
+         blocks[3], "padded = ids, out, answers", blocks[4], "attention_out = out", CHECKS]
     )  # fmt: skip
     (tmp_path / "readme.py").write_text(script)
     installed = tmp_path / "site"
