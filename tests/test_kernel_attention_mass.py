@@ -11,8 +11,6 @@ reference is computed from the same rounded inputs, so only the accumulation ord
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it)")
@@ -23,33 +21,13 @@ from triton_mode import DEVICE, INTERPRET  # noqa: E402
 from kvcompress import selection  # noqa: E402
 from kvcompress.kernels import attention_mass as kernel  # noqa: E402
 from kvcompress.selection import attention_mass, attention_mass_torch  # noqa: E402
+from tests.references import float64_attention_mass
 
 if kernel.INTERPRET != INTERPRET:
     pytest.skip("kernel module was defined in the other Triton mode (imported too early)", allow_module_level=True)
 
 # fp32 dots run as IEEE fp32 ("ieee" precision) on the GPU too.
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-def float64_mass(queries, keys, scaling, positions=None, key_mask=None, reduce="sum"):
-    """One (batch row, query head, query) at a time in float64: the definition."""
-    batch, heads_q, m, _ = queries.shape
-    heads_kv, n = keys.shape[1], keys.shape[2]
-    group = heads_q // heads_kv
-    out = torch.zeros(batch, heads_kv, n, dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads_q):
-            logits = scaling * queries[b, h].cpu().double() @ keys[b, h // group].cpu().double().T  # [m, n]
-            if positions is not None:
-                logits[torch.arange(n)[None, :] > positions.cpu()[:, None]] = -math.inf
-            if key_mask is not None:
-                logits[:, ~key_mask[b].cpu()] = -math.inf
-            probs = torch.softmax(logits, -1).nan_to_num(0.0)
-            if reduce == "sum":
-                out[b, h // group] += probs.sum(0)
-            else:
-                out[b, h // group] = torch.maximum(out[b, h // group], probs.amax(0))
-    return out
 
 
 def make_inputs(batch, heads_q, heads_kv, m, n, d, dtype, seed, strided=False):
@@ -64,7 +42,7 @@ def make_inputs(batch, heads_q, heads_kv, m, n, d, dtype, seed, strided=False):
 
 
 def check(got, queries, keys, scaling, dtype, reduce, **kwargs):
-    expected = float64_mass(queries, keys, scaling, reduce=reduce, **kwargs)
+    expected = float64_attention_mass(queries, keys, scaling, reduce=reduce, **kwargs)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     # Relative to the largest score per head: max-probabilities and column sums alike.
     scale = expected.amax(-1, keepdim=True).clamp_min(1e-12)
@@ -89,7 +67,7 @@ def test_kernel_matches_float64(dtype, heads_q, heads_kv, m, n, d, causal, reduc
     # Causal: sorted context positions, some before the first key tile ends (rows that see few keys).
     positions = torch.randint(0, n, (m,), generator=gen).sort().values.to(DEVICE) if causal else None
     got = kernel.attention_mass_kernel(q, k, 0.3, positions, reduce=reduce, block_r=32, block_n=32)
-    check(got, q, k, 0.3, dtype, reduce, positions=positions)
+    check(got, q, k, 0.3, dtype, reduce, query_positions=positions)
     if reduce == "sum" and positions is None:  # every query gives 1 in total
         torch.testing.assert_close(
             got.sum(-1).cpu(), torch.full((2, heads_kv), m * heads_q / heads_kv), rtol=1e-4, atol=0
@@ -109,7 +87,7 @@ def test_kernel_key_mask_unsorted_positions_and_empty_rows(dtype, reduce):
     positions[0] = 1  # batch row 2 masks keys 0..2: this query sees nothing there
     positions, mask = positions.to(DEVICE), mask.to(DEVICE)
     got = kernel.attention_mass_kernel(q, k, 0.25, positions, reduce=reduce, key_mask=mask)
-    check(got, q, k, 0.25, dtype, reduce, positions=positions, key_mask=mask)
+    check(got, q, k, 0.25, dtype, reduce, query_positions=positions, key_mask=mask)
     assert torch.all(got[~mask[:, None, :].expand_as(got)] == 0)
 
 
@@ -120,7 +98,7 @@ def test_torch_path_chunked_equals_dense_and_float64(reduce, monkeypatch):
     positions = torch.randint(0, 83, (29,), generator=torch.Generator().manual_seed(3))
     mask = torch.rand(2, 83, generator=torch.Generator().manual_seed(4)) > 0.2
     dense = attention_mass_torch(q, k, 0.4, positions, reduce=reduce, key_mask=mask)
-    check(dense, q, k, 0.4, torch.float32, reduce, positions=positions, key_mask=mask)
+    check(dense, q, k, 0.4, torch.float32, reduce, query_positions=positions, key_mask=mask)
     for elements in (1, 700, 5000):  # one query at a time, a few, most
         monkeypatch.setattr(selection, "_CHUNK_ELEMENTS", elements)
         chunked = attention_mass_torch(q, k, 0.4, positions, reduce=reduce, key_mask=mask)

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from kvcompress import CompressKVPress, registry, selection
 from kvcompress.reference import LayerReference
 from kvcompress.selection import attention_mass
-
-
-def _reference_max(queries, keys, scaling, positions):
-    """float64, one query at a time: the largest softmax probability any query of the GQA group gives each key."""
-    batch, heads_q, m, _ = queries.shape
-    heads_kv, n = keys.shape[1], keys.shape[2]
-    group = heads_q // heads_kv
-    out = torch.zeros(batch, heads_kv, n, dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads_q):
-            for i in range(m):
-                logits = scaling * keys[b, h // group].double() @ queries[b, h, i].double()
-                if positions is not None:
-                    logits[positions[i] + 1 :] = -math.inf
-                out[b, h // group] = torch.maximum(out[b, h // group], torch.softmax(logits, 0))
-    return out
+from tests.references import float64_attention_mass
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -33,7 +16,7 @@ def test_max_mass_matches_float64_reference_with_gqa_and_chunks(causal, monkeypa
     g = torch.Generator().manual_seed(7)
     queries, keys = torch.randn(2, 6, 11, 16, generator=g) * 2, torch.randn(2, 2, 37, 16, generator=g) * 2
     positions = torch.randint(0, 37, (11,), generator=g) if causal else None
-    expected = _reference_max(queries, keys, 0.25, positions)
+    expected = float64_attention_mass(queries, keys, 0.25, positions, reduce="max")
     got = attention_mass(queries, keys, 0.25, query_positions=positions, reduce="max")
     assert got.dtype == torch.float32 and got.shape == (2, 2, 37)
     # fp32 softmax of O(10) logits: relative error a few ulps of float32

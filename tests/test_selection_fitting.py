@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from kvcompress import selection
 from kvcompress.fitting import fit_kept_rows
 from kvcompress.selection import attention_mass, normalise, pool_scores, top_rows
+from tests.references import float64_attention_mass
 
 
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _reference_mass(queries, keys, scaling, positions):
-    """float64, one query at a time: the definition of attention_mass."""
-    batch, heads_q, m, _ = queries.shape
-    heads_kv, n = keys.shape[1], keys.shape[2]
-    group = heads_q // heads_kv
-    out = torch.zeros(batch, heads_kv, n, dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads_q):
-            for i in range(m):
-                logits = scaling * keys[b, h // group].double() @ queries[b, h, i].double()
-                if positions is not None:
-                    logits[positions[i] + 1 :] = -math.inf
-                out[b, h // group] += torch.softmax(logits, 0)
-    return out
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -37,7 +20,7 @@ def test_attention_mass_matches_float64_reference_with_gqa(causal, monkeypatch):
     g = _generator(1)
     queries, keys = torch.randn(2, 6, 9, 16, generator=g) * 2, torch.randn(2, 2, 40, 16, generator=g) * 2
     positions = torch.randint(0, 40, (9,), generator=g) if causal else None
-    expected = _reference_mass(queries, keys, 0.25, positions)
+    expected = float64_attention_mass(queries, keys, 0.25, positions)
     got = attention_mass(queries, keys, 0.25, query_positions=positions)
     assert got.dtype == torch.float32 and got.shape == (2, 2, 40)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
