@@ -15,7 +15,7 @@ TINY = [
     "--compress-n", "384", "--decode-lengths", "256", "--decode-batches", "1", "2", "--decode-heads", "2x2",
     "--prefill-lengths", "384", "--decode-context", "384", "--decode-tokens", "2", "--repeats", "2",
     "--backends", "torch",  # deterministic whatever TRITON_INTERPRET other test modules set
-    "--decode-contexts", "256", "--decode-batch-sizes", "1", "2", "--only", "bandwidth,kernels,e2e,decode",
+    "--decode-contexts", "256", "--decode-batch-sizes", "1", "2", "--only", "bandwidth,kernels,e2e,prefill,decode",
 ]  # fmt: skip
 
 
