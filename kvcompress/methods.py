@@ -20,16 +20,35 @@ from kvcompress.selection import normalise, pool_scores, top_rows
 
 
 def mixed_scores(
-    reference: LayerReference, start: int, end: int, weights: dict[str, float], pool: dict[str, int]
+    reference: LayerReference,
+    start: int,
+    end: int,
+    weights: dict[str, float],
+    pool: dict[str, int],
+    reserved: int = 0,
 ) -> torch.Tensor:
-    """Scores of the middle rows ``[start, end)``: ``[b, h_kv, end - start]``. Each source's attention mass on the
-    middle is average-pooled over ``pool[source]`` neighbours (SnapKV pools its window scores, kernel 5),
-    normalised to sum 1 per head and weighted by ``weights[source]`` (default 1)."""
+    """Scores of the middle rows ``[start, end)``: ``[b, h_kv, end - start]``. Each query source's attention mass on
+    the middle is average-pooled over ``pool[source]`` neighbours (SnapKV pools its window scores, kernel 5),
+    normalised to sum 1 per head and weighted by ``weights[source]`` (default 1). The query-free ``"novelty"``
+    prior does not mix (a flat prior summed with a peaked mass would never outrank it): its ``reserved`` highest
+    rows per head score above every other row, so a top-``rows`` selection keeps them and fills the rest by the
+    query sources. With no query source, the scores are the novelty itself."""
     total = None
     for source, mass in reference.mass.items():
+        if source == "novelty":
+            continue
         part = normalise(pool_scores(mass[:, :, start:end], pool.get(source, 1))) * weights.get(source, 1.0)
         total = part if total is None else total + part
-    return total
+    if "novelty" not in reference.mass:
+        return total
+    novelty = reference.mass["novelty"][:, :, start:end]
+    if total is None:
+        return novelty
+    reserved = min(reserved, novelty.shape[-1])
+    if reserved <= 0:
+        return total
+    chosen = torch.zeros_like(novelty, dtype=torch.bool).scatter_(-1, top_rows(novelty, reserved), True)
+    return torch.where(chosen, total + (1.0 + total.amax(-1, keepdim=True)), total)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

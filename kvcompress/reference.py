@@ -9,6 +9,9 @@ and a few queries for the fit (:mod:`kvcompress.fitting`):
   the keys after it): no extra forward, one fused pass over the layer's own queries.
 * ``"accumulated"``: every prefill query, causal: the attention each key accumulated during the prefill
   (H2O, Zhang et al., arXiv 2306.14048), without the eviction along the way.
+* ``"novelty"``: no queries: each key's distance from its head's mean key (KeyDiff, Park et al., arXiv
+  2504.15364; :func:`kvcompress.selection.key_novelty`), a query-free prior that keeps outlying facts. It gives the
+  fit no queries, so it is used beside a query source.
 * ``"repeat"``: a second pass over the context's own tokens right after it, in chunks, each chunk cropped
   away again. Reading the text again, the model's queries look back at the rows it needs to reproduce it
   (the reconstruction idea of KVzip, Kim et al., arXiv 2505.23416, without its prompt, so no tokenizer is
@@ -23,9 +26,10 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvcompress.selection import attention_mass
+from kvcompress.selection import attention_mass, key_novelty
 
-SOURCES = ("window", "prefill", "repeat", "context", "accumulated")
+SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty")
+QUERY_SOURCES = tuple(source for source in SOURCES if source != "novelty")
 
 
 def post_rope_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
@@ -84,6 +88,8 @@ def record_prefill(
     """The sources of one layer that its prefill call (hook ``kwargs``) gives: all but ``"repeat"``. ``reduce``
     pools each source's queries (:func:`kvcompress.selection.attention_mass`) and is kept for the repeat pass."""
     reference = LayerReference(reduce=reduce)
+    if "novelty" in sources:
+        reference.mass["novelty"] = key_novelty(keys)
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
     n = keys.shape[-2]
     picks = {}

@@ -113,6 +113,15 @@ def attention_mass_torch(
     return total
 
 
+def key_novelty(keys: torch.Tensor) -> torch.Tensor:
+    """How far each key points from its head's mean key: ``1 - cos(k_j, mean_j k_j)`` for keys ``[b, h_kv, n, d]``,
+    ``[b, h_kv, n]`` float32 in [0, 2]. Query-free: a key unlike the others (a fact in a repetitive context) scores
+    high (KeyDiff's score, Park et al., arXiv 2504.15364)."""
+    keys = keys.float()
+    anchor = F.normalize(keys.mean(dim=2, keepdim=True), dim=-1)
+    return 1.0 - (F.normalize(keys, dim=-1) * anchor).sum(-1)
+
+
 def causal_softmax(logits: torch.Tensor, query_positions: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last dim of ``logits [..., m, n]``; with ``query_positions [m]``, query i sees key j
     only if ``j <= query_positions[i]``."""

@@ -87,9 +87,9 @@ def test_kvzip_press_keeps_the_sink_and_the_rows_its_max_scores_rank_first(chunk
     seen = []
     original = presses.mixed_scores
 
-    def spy(reference, start, end, weights, pool):
+    def spy(reference, start, end, weights, pool, **kwargs):
         seen.append((reference.mass["repeat"].clone(), start, end))
-        return original(reference, start, end, weights, pool)
+        return original(reference, start, end, weights, pool, **kwargs)
 
     cache = DynamicCache()
     try:

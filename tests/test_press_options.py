@@ -92,7 +92,9 @@ def test_window_attention_selection_is_snapkv_selection():
     context = tokens(CONTEXT, 5)
     ours = compressed_cache(
         model,
-        CompressKVPress(compression_ratio=0.7, reference=["window"], fit="none", sink_size=0, window_size=64),
+        CompressKVPress(
+            compression_ratio=0.7, reference=["window"], score_pooling="sum", fit="none", sink_size=0, window_size=64
+        ),
         context,
     )
     model.set_attn_implementation("sdpa")
@@ -154,7 +156,7 @@ def test_repeat_pass_leaves_sliding_and_uncompressed_state_as_a_plain_prefill(fa
     plain = DynamicCache(config=model.config)  # as generate builds it: sliding-window layers where the model has them
     with torch.no_grad():
         model.model(input_ids=context, past_key_values=plain)
-    press = CompressKVPress(compression_ratio=0.75, repeat_chunk=128)
+    press = CompressKVPress(compression_ratio=0.75, reference=("window", "repeat"), repeat_chunk=128)
     cache = compressed_cache(model, press, context, config=model.config)
     assert cache.get_seq_length() == CONTEXT
     sliding = [getattr(layer.self_attn, "is_sliding", False) for layer in model.model.layers]
@@ -190,7 +192,7 @@ def test_repeat_needs_input_ids():
     model = tiny_model("llama", num_hidden_layers=2)
     embeds = model.model.embed_tokens(tokens(CONTEXT, 12)).detach()
     with pytest.raises(ValueError, match="^input_ids: CompressKVPress with reference 'repeat'"):
-        compressed_cache_embeds(model, CompressKVPress(compression_ratio=0.5), embeds)
+        compressed_cache_embeds(model, CompressKVPress.thorough(compression_ratio=0.5), embeds)
     cache = compressed_cache_embeds(model, CompressKVPress(compression_ratio=0.5, reference=["window"]), embeds)
     assert all(layer.keys.shape[-2] == CONTEXT // 2 for layer in cache.layers)
 

@@ -74,7 +74,7 @@ def test_prefill_sources_are_the_mass_of_all_prefill_queries(source, monkeypatch
         return result
 
     monkeypatch.setattr("kvcompress.presses.record_prefill", spy)
-    press = CompressKVPress(compression_ratio=0.75, reference=(source,), fit_queries=16)
+    press = CompressKVPress(compression_ratio=0.75, reference=(source,), score_pooling="sum", fit_queries=16)
     cache = compressed_cache(model, press, context)
     assert cache.layers[1].keys.shape[2] == int(CONTEXT * 0.25)
     queries = post_rope_queries(layer, seen["hidden_states"], seen["position_embeddings"])
@@ -108,7 +108,9 @@ def test_spread_pieces_and_the_partial_repeat_pass(monkeypatch):
         return record(module, kwargs, keys, ref, samples, total)
 
     monkeypatch.setattr("kvcompress.weighted_press.record_repeat", spy)
-    press = CompressKVPress(compression_ratio=0.75, repeat_fraction=0.5, repeat_span=40, repeat_chunk=64)
+    press = CompressKVPress(
+        compression_ratio=0.75, reference=("window", "repeat"), repeat_fraction=0.5, repeat_span=40, repeat_chunk=64
+    )
     cache = compressed_cache(model, press, context)
     assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
     # 8 pieces of 40 tokens, 4 re-read (160 tokens) in chunks of 64: per layer 64 + 64 + 32 queries.
@@ -127,3 +129,57 @@ def test_press_specs_take_lists_of_sources():
     assert spec.fields == {"reference": ["window", "context"], "repeat_fraction": 0.5}
     press = make_press(spec, 0.25)
     assert press.reference == ("window", "context") and press.repeat_fraction == 0.5
+
+
+def test_key_novelty_against_its_float64_definition_and_the_outlier_it_keeps():
+    from kvcompress.selection import key_novelty
+
+    generator = torch.Generator().manual_seed(7)
+    keys = torch.randn(2, 3, 50, 16, generator=generator) + 2.0  # a shared mean direction, as real keys have
+    got = key_novelty(keys)
+    k = keys.double()
+    mean = k.mean(2, keepdim=True)
+    want = 1 - (k * mean).sum(-1) / (k.norm(dim=-1) * mean.norm(dim=-1))
+    # float32 normalisation and a 16-term dot: a few float32 ulps of values in [0, 2].
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-5)
+    outlier = keys.clone()
+    outlier[:, :, 17] = -outlier[:, :, 17]  # opposite the mean direction: the largest novelty of its head
+    assert (key_novelty(outlier).argmax(-1) == 17).all()
+
+
+def test_novelty_source_mixes_beside_a_query_source_and_needs_one_to_fit():
+    model = tiny_model("llama", num_hidden_layers=2)
+    context = tokens(CONTEXT, 5)
+    press = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty"), score_pooling="max")
+    cache = compressed_cache(model, press, context)
+    assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
+    novelty = CompressKVPress(compression_ratio=0.75, reference=("novelty",), fit="none")
+    alone = compressed_cache(model, novelty, context)
+    window = compressed_cache(model, CompressKVPress(compression_ratio=0.75, reference=("window",)), context)
+    # The mix differs from either source alone (else one of them changed nothing).
+    assert not torch.equal(cache.layers[1].keys, window.layers[1].keys)
+    assert not torch.equal(cache.layers[1].keys, alone.layers[1].keys)
+    with pytest.raises(ValueError, match="fit: 'values' needs a query source in reference"):
+        CompressKVPress(reference=("novelty",))
+
+
+def test_novelty_reserves_its_share_of_the_rows_and_the_query_mass_chooses_the_rest():
+    from kvcompress.methods import mixed_scores
+    from kvcompress.reference import LayerReference
+    from kvcompress.selection import top_rows
+
+    generator = torch.Generator().manual_seed(11)
+    n, rows, reserved = 40, 12, 5
+    window = torch.rand(1, 2, n, generator=generator)
+    novelty = torch.rand(1, 2, n, generator=generator) * 1e-3  # far smaller scale: a sum would ignore it
+    ref = LayerReference(mass={"window": window, "novelty": novelty})
+    kept = top_rows(mixed_scores(ref, 0, n, {}, {}, reserved=reserved), rows)
+    for head in range(2):
+        first = novelty[0, head].topk(reserved).indices.tolist()
+        rest = window[0, head].clone()
+        rest[first] = -1
+        want = set(first) | set(rest.topk(rows - reserved).indices.tolist())
+        assert set(kept[0, head].tolist()) == want
+    assert torch.equal(top_rows(mixed_scores(ref, 0, n, {}, {}, reserved=0), rows), top_rows(window, rows))
+    with pytest.raises(ValueError, match="novelty_share"):
+        CompressKVPress(novelty_share=1.5)

@@ -32,18 +32,20 @@ from eval.speed.clock import Clock, Notes, release
 from eval.speed.config import Config
 from kvcompress import CompressKVPress, UniformPress, registry
 
-# name -> CompressKVPress fields (None: not a CompressKVPress); the default's reference is ("window", "repeat").
+# name -> CompressKVPress fields (None: not a CompressKVPress); "default" is CompressKVPress() whatever it is.
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "snapkv": None,
     "uniform": None,
     "paper": None,
     "default": {},
+    "thorough": dict(reference=("window", "repeat"), score_pooling="max"),  # CompressKVPress.thorough()
+    "window_repeat_sum": dict(reference=("window", "repeat"), score_pooling="sum"),  # the default before novelty
     "window": dict(reference=("window",)),
     "window_nofit": dict(reference=("window",), fit="none"),
     "context": dict(reference=("window", "context")),
     "accumulated": dict(reference=("window", "accumulated")),
-    "repeat_quarter": dict(repeat_fraction=0.25),
+    "repeat_quarter": dict(reference=("window", "repeat"), repeat_fraction=0.25),
 }
 TORCH_MASS_MAX = 8192 * 8192  # the chunked torch path is timed on CUDA up to this many query-key pairs (~1 s)
 STAGES = ("forward_s", "repeat_forward_s", "mass_s", "selection_s", "fit_s", "peak_gib")

@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", help="the name clients send as 'model' (default: --model's directory or Hub name)"
     )
     p.add_argument("--method", default="compresskv",
-                   help="a press of the method registry, or exact (default compresskv)")
+                   help="a press of the method registry, or exact (default compresskv: about a plain prefill's "
+                        "cost; compresskv_thorough re-reads each context once more, ~2x the prefill, and keeps "
+                        "more of the facts later questions ask for: choose it when contexts are stored and asked "
+                        "many questions)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
                    help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")
