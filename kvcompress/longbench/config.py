@@ -22,6 +22,7 @@ METHODS: dict[str, str] = {  # name -> row label (kvcompress.registry's presses 
     for name in (
         "exact",
         "compresskv",
+        "compresskv_thorough",
         "compresskv_paper",
         "compresskv_window",
         "compresskv_kvzip",
