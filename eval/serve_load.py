@@ -72,12 +72,19 @@ def start_server(method: str, max_batch: int, args: argparse.Namespace) -> tuple
     cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--method", method, "--ratio",
            str(args.ratio), "--cache-memory", args.cache_memory, "--log-level", "warning",
            "--max-queue", str(max(8, 2 * args.users)), "--max-batch", str(max_batch)]
+    if args.server_log:  # the server's per-phase INFO lines, one file per run
+        Path(args.server_log).mkdir(parents=True, exist_ok=True)
+        cmd[cmd.index("--log-level") + 1] = "info"
+    cmd += args.server_arg
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    stderr = None
+    if args.server_log:
+        stderr = open(Path(args.server_log) / f"{method}_batch{max_batch}.log", "w")  # noqa: SIM115 - the server's lifetime
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=stderr)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -211,6 +218,11 @@ def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.
         / max(1, m.get("kvcompress_prefill_seconds_count", 0)),
         "server_question_prefill_s_mean": m.get("kvcompress_question_prefill_seconds_sum", 0)
         / max(1, m.get("kvcompress_question_prefill_seconds_count", 0)),
+        # where the worker's time went (seconds summed over the run)
+        "server_prefill_s": m.get("kvcompress_prefill_seconds_sum", 0),
+        "server_question_prefill_s": m.get("kvcompress_question_prefill_seconds_sum", 0),
+        "server_decode_s": m.get("kvcompress_decode_step_seconds_sum", 0),
+        "decode_steps": m.get("kvcompress_decode_step_seconds_count", 0),
     }
 
 
@@ -252,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="one request at a time, users in turn (time to first token without queueing)")
     p.add_argument("--threads", type=int, help="torch threads of the server")
     p.add_argument("--model")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra argument for every server, repeatable (e.g. --server-arg=--prefill-share=0.5)")
+    p.add_argument("--server-log", help="write each server's INFO log (per-phase lines) into this folder")
     p.add_argument("--output", help="write the results as JSON here")
     args = p.parse_args(argv)
     for name in ("users", "context_tokens", "max_tokens"):
