@@ -16,7 +16,9 @@ rate (store hits / requests), p50 and p95 time to first token (all requests, fir
 p50 / p95 inter-token latency (gaps between streamed content chunks at the client), aggregate generated tokens
 per second over the run, tokens per second of the decode steps alone (server: tokens decoded in steps / seconds
 of those steps; first tokens come from question prefills), mean and largest batch size per decode step
-(server), prefills, resident bytes next to their uncompressed size.
+(server), prefills, resident bytes next to their uncompressed size, and where the server's worker spent its time
+(seconds of context prefills, question prefills and decode steps, summed). ``--server-arg`` passes a flag to every
+server (e.g. ``--server-arg=--decode-per-prefill=1``); ``--server-log DIR`` keeps each server's per-phase INFO log.
 
     python -m eval.serve_load --users 8 --questions 3 --context-tokens 512 --cache-memory 150MiB --max-batch 8 1
 """
@@ -84,7 +86,7 @@ def start_server(method: str, max_batch: int, args: argparse.Namespace) -> tuple
     stderr = None
     if args.server_log:
         stderr = open(Path(args.server_log) / f"{method}_batch{max_batch}.log", "w")  # noqa: SIM115 - the server's lifetime
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=stderr)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stderr, stderr=stderr)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -231,8 +233,8 @@ def table(rows: list[dict]) -> str:
             "prefills | reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | "
             "inter-token p50 / p95 s | batch per step (mean / max bucket) | tokens | tokens/s | "
             "decode-step tokens/s | "
-            "server: context prefill / question prefill s (mean) |")
-    lines = [head, "|" + "---|" * 16]
+            "server: context prefill / question prefill s (mean) | worker s: context prefill / question / decode |")
+    lines = [head, "|" + "---|" * 17]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['max_batch']} | {r['ok']}/{r['requests']} | {r['sessions_resident_end']:.0f} / "
@@ -243,7 +245,8 @@ def table(rows: list[dict]) -> str:
             f"{r['itl_p50']:.3f} / {r['itl_p95']:.3f} | {r['batch_mean']:.2f} / {r['batch_max']:.0f} | "
             f"{r['tokens']} | {r['tokens_per_s']:.2f} | {r['step_tokens_per_s']:.2f} | "
             f"{r['server_prefill_s_mean']:.1f} / "
-            f"{r['server_question_prefill_s_mean']:.2f} |")
+            f"{r['server_question_prefill_s_mean']:.2f} | {r['server_prefill_s']:.1f} / "
+            f"{r['server_question_prefill_s']:.1f} / {r['server_decode_s']:.1f} |")
     return "\n".join(lines)
 
 
