@@ -16,7 +16,9 @@ rate (store hits / requests), p50 and p95 time to first token (all requests, fir
 p50 / p95 inter-token latency (gaps between streamed content chunks at the client), aggregate generated tokens
 per second over the run, tokens per second of the decode steps alone (server: tokens decoded in steps / seconds
 of those steps; first tokens come from question prefills), mean and largest batch size per decode step
-(server), prefills, resident bytes next to their uncompressed size.
+(server), prefills, resident bytes next to their uncompressed size, and where the server's worker spent its time
+(seconds of context prefills, question prefills and decode steps, summed). ``--server-arg`` passes a flag to every
+server (e.g. ``--server-arg=--decode-per-prefill=1``); ``--server-log DIR`` keeps each server's per-phase INFO log.
 
     python -m eval.serve_load --users 8 --questions 3 --context-tokens 512 --cache-memory 150MiB --max-batch 8 1
 """
@@ -72,12 +74,19 @@ def start_server(method: str, max_batch: int, args: argparse.Namespace) -> tuple
     cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--method", method, "--ratio",
            str(args.ratio), "--cache-memory", args.cache_memory, "--log-level", "warning",
            "--max-queue", str(max(8, 2 * args.users)), "--max-batch", str(max_batch)]
+    if args.server_log:  # the server's per-phase INFO lines, one file per run
+        Path(args.server_log).mkdir(parents=True, exist_ok=True)
+        cmd[cmd.index("--log-level") + 1] = "info"
+    cmd += args.server_arg
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    stderr = None
+    if args.server_log:
+        stderr = open(Path(args.server_log) / f"{method}_batch{max_batch}.log", "w")  # noqa: SIM115 - the server's lifetime
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stderr, stderr=stderr)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -211,6 +220,11 @@ def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.
         / max(1, m.get("kvcompress_prefill_seconds_count", 0)),
         "server_question_prefill_s_mean": m.get("kvcompress_question_prefill_seconds_sum", 0)
         / max(1, m.get("kvcompress_question_prefill_seconds_count", 0)),
+        # where the worker's time went (seconds summed over the run)
+        "server_prefill_s": m.get("kvcompress_prefill_seconds_sum", 0),
+        "server_question_prefill_s": m.get("kvcompress_question_prefill_seconds_sum", 0),
+        "server_decode_s": m.get("kvcompress_decode_step_seconds_sum", 0),
+        "decode_steps": m.get("kvcompress_decode_step_seconds_count", 0),
     }
 
 
@@ -219,8 +233,8 @@ def table(rows: list[dict]) -> str:
             "prefills | reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | "
             "inter-token p50 / p95 s | batch per step (mean / max bucket) | tokens | tokens/s | "
             "decode-step tokens/s | "
-            "server: context prefill / question prefill s (mean) |")
-    lines = [head, "|" + "---|" * 16]
+            "server: context prefill / question prefill s (mean) | worker s: context prefill / question / decode |")
+    lines = [head, "|" + "---|" * 17]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['max_batch']} | {r['ok']}/{r['requests']} | {r['sessions_resident_end']:.0f} / "
@@ -231,7 +245,8 @@ def table(rows: list[dict]) -> str:
             f"{r['itl_p50']:.3f} / {r['itl_p95']:.3f} | {r['batch_mean']:.2f} / {r['batch_max']:.0f} | "
             f"{r['tokens']} | {r['tokens_per_s']:.2f} | {r['step_tokens_per_s']:.2f} | "
             f"{r['server_prefill_s_mean']:.1f} / "
-            f"{r['server_question_prefill_s_mean']:.2f} |")
+            f"{r['server_question_prefill_s_mean']:.2f} | {r['server_prefill_s']:.1f} / "
+            f"{r['server_question_prefill_s']:.1f} / {r['server_decode_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -252,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="one request at a time, users in turn (time to first token without queueing)")
     p.add_argument("--threads", type=int, help="torch threads of the server")
     p.add_argument("--model")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra argument for every server, repeatable (e.g. --server-arg=--prefill-share=0.5)")
+    p.add_argument("--server-log", help="write each server's INFO log (per-phase lines) into this folder")
     p.add_argument("--output", help="write the results as JSON here")
     args = p.parse_args(argv)
     for name in ("users", "context_tokens", "max_tokens"):

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +17,9 @@ from transformers import DynamicCache
 
 from kvcompress.cache import WeightedDynamicCache, WeightedLayer
 from kvcompress.serve.store import ContextStore, answer_view, cache_bytes, parse_bytes
+from tests.serve_helpers import API_KEY, running_server
 
 ROOT = Path(__file__).resolve().parents[1]
-API_KEY = "test-key-123"
 
 
 def random_cache(rows: int, layers: int = 2, weighted: bool = False, seed: int = 0) -> DynamicCache:
@@ -88,6 +86,9 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--max-queue", "0"], "--max-queue"),
         (["--max-batch", "0"], "--max-batch"),
         (["--max-batch-tokens", "-1"], "--max-batch-tokens"),
+        (["--decode-per-prefill", "-0.5"], "--decode-per-prefill"),
+        (["--decode-per-prefill", "nan"], "--decode-per-prefill"),
+        (["--decode-per-prefill", "2e6"], "--decode-per-prefill"),
         (["--press-option", "window_size=-3"], "window_size"),
         (["--press-option", "snapkv.window_size=8"], "--press-option"),
         (["--press-option", "no_such_field=1"], "--press-option"),
@@ -99,6 +100,27 @@ def test_cli_rejects_bad_flags_before_loading_the_model(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_decode_per_prefill_flag_documents_the_schedulers_default_and_range(capsys):
+    from kvcompress.serve.cli import build_parser
+    from kvcompress.serve.scheduler import DECODE_PER_PREFILL, MAX_DECODE_PER_PREFILL
+
+    parser = build_parser()
+    assert parser.parse_args([]).decode_per_prefill == DECODE_PER_PREFILL
+    help_text = " ".join(parser.format_help().split())
+    assert f"default {DECODE_PER_PREFILL}" in help_text and "[0, 1e6]" in help_text
+    assert main_rejects(["--decode-per-prefill", "inf"], capsys) == "[0, 1e6]" and MAX_DECODE_PER_PREFILL == 1e6
+
+
+def main_rejects(argv: list[str], capsys) -> str:
+    """The accepted range named by the one-line error of a rejected flag."""
+    from kvcompress.serve.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"kvcompress serve: error: {argv[0]}: must be a number in ")
+    return re.search(r"in (\[[^]]*\])", err).group(1)
 
 
 def test_parse_bytes():
@@ -127,50 +149,20 @@ def contexts(count: int, tokens: int = 360) -> list[str]:
     return [tokenizer.decode(tokenizer.encode(t)[:tokens]) for t in texts[:count]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def context_bytes_estimate(tokens: int) -> int:
     """Compressed bytes of a ``tokens``-token context on SmolLM2-135M at 25% kept (30 layers, 3 x 64 K and V)."""
     return 30 * (int(tokens * 0.25) * 3 * 64 * 4 * 2 + 3 * 4 * int(tokens * 0.25) + 2 * 3 * 64 * 4)
 
 
 @pytest.fixture(scope="module")
-def server(embedded_dir):
+def server(embedded_dir, tmp_path_factory):
     """One server for the module: compresskv at 25% kept, an API key and a memory budget that stores two of these
     contexts but not three, and holds one of them stored while a session on it decodes (its copy in the batch)."""
-    import httpx
-
-    port = free_port()
     budget = int(2.8 * context_bytes_estimate(385))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--threads", "1", "--api-key", API_KEY,
-           "--max-queue", "8", "--cache-memory", str(budget), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read()[-2000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not start in 300 s")
-    yield base
-    proc.terminate()
-    try:
-        out, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    assert "Traceback" not in out, out[-3000:]
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    with running_server(["--max-queue", "8", "--cache-memory", str(budget), "--log-level", "warning"],
+                        log_path) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

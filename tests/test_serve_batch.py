@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from tests.serve_helpers import API_KEY, running_server
 from tests.tiny_models import tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sessions(model, press, specs, seed=0):
@@ -143,43 +138,18 @@ def test_decode_batch_rows_are_masked_not_read():
 # -- a real server: continuous batching against each request alone ----------------------------------------------
 ROW_BYTES = 30 * 3 * (2 * 64 * 4 + 4)  # one decode-batch row of SmolLM2-135M in float32: K, V, weight per KV head
 BUDGET = 2150 * ROW_BYTES  # ~100 MB: 8 sessions of ~110 rows plus their 8 stored contexts fit; 3 of ~740 rows do not
+DECODE_PER_PREFILL = 0.1  # --decode-per-prefill of the shared server
 
 
 @pytest.fixture(scope="module")
 def batch_server(embedded_dir, tmp_path_factory):
-    """compresskv_paper (a fast prefill) at 25% kept, 8 sessions per step, 8 waiting at most, INFO logs to a file."""
-    import httpx
-
-    from tests.test_serve import API_KEY, free_port
-
-    port = free_port()
+    """compresskv_paper (a fast prefill) at 25% kept, 8 sessions per step, 8 waiting at most, INFO logs to a file;
+    a new context's prefill waits for a tenth of the previous prefill's time of decoding (a step or two here)."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--threads", "1", "--api-key", API_KEY,
-           "--method", "compresskv_paper", "--max-batch", "8", "--max-queue", "8", "--cache-memory", str(BUDGET),
-           "--log-level", "info"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not start in 300 s")
-    yield base, log_path
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+    with running_server(["--method", "compresskv_paper", "--max-batch", "8", "--max-queue", "8", "--cache-memory",
+                         str(BUDGET), "--log-level", "info", "--decode-per-prefill", str(DECODE_PER_PREFILL)],
+                        log_path) as base:
+        yield base, log_path
 
 
 def _ask(base: str, doc: str, question: str, max_tokens: int, stop=None):
@@ -204,7 +174,7 @@ def test_eight_concurrent_sessions_get_their_answers_alone(batch_server):
     above checks the logits themselves)."""
     from tests.test_serve import contexts, metric
 
-    base, _ = batch_server
+    base, log_path = batch_server
     docs = contexts(8, tokens=300)
     max_tokens = [4, 6, 8, 10, 12, 14, 16, 9]
     stops = [None, ["."], [" the"], ["\n"], None, [","], [" is", "."], None]
@@ -220,13 +190,30 @@ def test_eight_concurrent_sessions_get_their_answers_alone(batch_server):
     assert alone_steps > steps and batched > 2  # the concurrent sessions really shared decode steps
     assert metric(base, "kvcompress_batch_size_sum") / metric(base, "kvcompress_batch_size_count") < batched
     assert metric(base, "kvcompress_cache_sessions") == 8  # every context stored once, reused alone
+    _assert_prefill_budget_held(log_path.read_text(), DECODE_PER_PREFILL)
+
+
+def _assert_prefill_budget_held(log: str, ratio: float) -> None:
+    """Every context prefill that ran while sessions decoded came after at least one decode step and after the
+    batch had decoded ``ratio`` times the previous prefill's seconds (the server's own clock, from its log)."""
+    lines = re.findall(r"context prefill of ([\d.]+) s after (\d+) decode steps \(([\d.]+) s\) since the previous "
+                       r"one, (\d+) sessions decoding; the next one after ([\d.]+) s", log)
+    assert lines
+    owed, checked = None, 0
+    for seconds, steps, decoded, sessions, next_after in lines:
+        assert abs(float(next_after) - ratio * float(seconds)) <= 0.002
+        if int(sessions) and owed is not None:
+            assert int(steps) >= 1 and float(decoded) >= owed - 0.002, (steps, decoded, owed)
+            checked += 1
+        owed = float(next_after)
+    assert checked >= 1  # some prefills did wait for the batch
 
 
 @pytest.mark.slow
 def test_a_session_joining_and_one_cancelled_leave_the_others_unchanged(batch_server):
     import httpx
 
-    from tests.test_serve import API_KEY, contexts, doc_question, metric
+    from tests.test_serve import contexts, doc_question, metric
 
     base, _ = batch_server
     docs = contexts(11, tokens=300)[8:]
@@ -278,7 +265,7 @@ def test_memory_budget_queues_then_429_and_never_evicts_an_active_session(batch_
     pass the budget (stored contexts are evicted to make room, active sessions never)."""
     import httpx
 
-    from tests.test_serve import API_KEY, metric
+    from tests.test_serve import metric
 
     base, _ = batch_server
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -325,7 +312,7 @@ def test_memory_budget_queues_then_429_and_never_evicts_an_active_session(batch_
 def test_bad_inputs_keep_their_errors_and_phases_are_logged(batch_server):
     import httpx
 
-    from tests.test_serve import API_KEY, BAD_INPUTS
+    from tests.test_serve import BAD_INPUTS
 
     base, log_path = batch_server
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -341,3 +328,65 @@ def test_bad_inputs_keep_their_errors_and_phases_are_logged(batch_server):
                   r"reuse hit: \d+ context tokens", r"question prefill: \d+ tokens in [\d.]+ s; first token",
                   r"decode: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\)"):
         assert re.search(r"INFO kvcompress\.serve: request \S+ " + phase, log), phase
+
+
+@pytest.mark.slow
+def test_prefill_budget_defers_new_contexts_while_sessions_decode_and_lets_follow_ups_pass(embedded_dir,
+                                                                                            tmp_path_factory):
+    """``--decode-per-prefill 1e6``: a new context's prefill waits until the batch has decoded a million times the
+    previous prefill's seconds, i.e. here until the batch is empty. A streams a long answer; B and C (new contexts)
+    and then D (A's context again: a store hit) arrive while A decodes. Read from the server's log and metrics:
+    D passes B and C and joins A's batch; B's prefill runs only after every one of A's decode steps; C's only after
+    B's whole answer; no context prefill ran while a session decoded."""
+    import httpx
+
+    from tests.test_serve import contexts, doc_question, metric
+
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    args = ["--method", "compresskv_paper", "--max-batch", "8", "--cache-memory", str(BUDGET), "--log-level", "info",
+            "--decode-per-prefill", "1e6"]
+    docs = contexts(3, tokens=300)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with running_server(args, log_path) as base:
+        _ask(base, docs[0], QUESTIONS[1], 1)  # stores A's context: D will be a hit
+        decoding, pieces = threading.Event(), []
+
+        def stream_a() -> None:
+            body = {"messages": doc_question(docs[0], QUESTIONS[0]), "max_tokens": 48, "temperature": 0,
+                    "stream": True}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+                for line in r.iter_lines():
+                    if '"content": "' in line and '"content": ""' not in line:
+                        pieces.append(line)
+                        if len(pieces) == 2:
+                            decoding.set()
+
+        a = threading.Thread(target=stream_a)
+        a.start()
+        assert decoding.wait(300)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            b = pool.submit(_ask, base, docs[1], QUESTIONS[1], 12)
+            time.sleep(0.2)
+            c = pool.submit(_ask, base, docs[2], QUESTIONS[2], 12)
+            time.sleep(0.2)
+            d = pool.submit(_ask, base, docs[0], QUESTIONS[3], 6)
+            answers = [f.result() for f in (b, c, d)]
+        a.join()
+        prefills_while_decoding = metric(base, "kvcompress_decode_steps_between_prefills_count")
+    log = log_path.read_text()
+    rid = {}  # request id per (context, question): the order of the "queued" lines is the order of arrival
+    for m in re.finditer(r"request (\S+) queued: context (\d+) tokens, question (\d+) tokens, max_tokens (\d+)", log):
+        rid.setdefault(int(m.group(4)), []).append(m.group(1))
+    a_id, b_id, c_id, d_id = rid[48][0], rid[12][0], rid[12][1], rid[6][0]
+
+    def at(pattern: str) -> int:
+        match = re.search(pattern, log)
+        assert match, pattern
+        return match.start()
+
+    a_tokens = len(pieces)
+    assert a_tokens >= 20 and all(n >= 1 for _, _, n in answers)
+    assert at(f"request {d_id} reuse hit") < at(f"request {b_id} prefill\\+compress")  # D passed B (and C)
+    assert at(f"request {a_id} decode: ") < at(f"request {b_id} prefill\\+compress")
+    assert at(f"request {b_id} decode: ") < at(f"request {c_id} prefill\\+compress")
+    assert prefills_while_decoding == 0

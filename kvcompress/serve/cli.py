@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most cache rows one decode step holds: sessions x the longest session's reserved rows "
                         "(context, question, max_tokens), padding included; bounds a step's attention work "
                         "(default 131072)")
+    p.add_argument("--decode-per-prefill", type=float, default=0.0, metavar="R",
+                   help="prefill budget: while sessions decode, a new context's prefill waits until the batch has "
+                        "decoded for R times the previous context prefill's seconds (and one step), so prefills "
+                        "take at most 1/(1+R) of the worker's time then; requests on a stored context are not "
+                        "held back. 0: new contexts join as soon as possible (fullest batches, best aggregate "
+                        "tokens/s measured); larger: smoother running streams and earlier follow-ups, later "
+                        "first tokens for new contexts (a number in [0, 1e6]; default 0.0)")
     p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -106,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for flag in ("max_batch", "max_batch_tokens"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: must be an integer >= 1, got {getattr(args, flag)}")
+        from kvcompress.serve.scheduler import check_decode_per_prefill
+
+        check_decode_per_prefill(args.decode_per_prefill)
         if not 0 < args.port < 65536:
             raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
         press, press_label = press_from_args(args)
@@ -143,11 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = ServerMetrics()
     engine = Engine(model, tokenizer, model_name=served, press=press, press_label=press_label,
                     store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue,
-                    max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens)
+                    max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
+                    decode_per_prefill=args.decode_per_prefill)
     app = create_app(engine, served, api_key=args.api_key)
     logging.getLogger("kvcompress.serve").info(
-        "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d", served, args.method,
-        args.ratio, args.host, args.port, args.cache_memory, args.max_batch)
+        "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g",
+        served, args.method, args.ratio, args.host, args.port, args.cache_memory, args.max_batch,
+        args.decode_per_prefill)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -86,8 +86,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, model_name: str, press, press_label: str, store: ContextStore,
                  metrics: ServerMetrics, max_queue: int = 64, prefix_min_fraction: float = 0.5, max_batch: int = 8,
-                 max_batch_tokens: int = 131072, memory: int | None = None):
-        from kvcompress.serve.scheduler import Scheduler
+                 max_batch_tokens: int = 131072, memory: int | None = None, decode_per_prefill: float | None = None):
+        from kvcompress.serve.scheduler import DECODE_PER_PREFILL, Scheduler
 
         self.model, self.tokenizer, self.press = model, tokenizer, press
         self.model_name, self.press_label = model_name, press_label
@@ -111,7 +111,9 @@ class Engine:
         keep = 1.0 - float(getattr(press, "compression_ratio", 0.0) or 0.0) if press is not None else 1.0
         self.kept_fraction = keep
         self.scheduler = Scheduler(self, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
-                                   memory=store.capacity if memory is None else memory, max_queue=max_queue)
+                                   memory=store.capacity if memory is None else memory, max_queue=max_queue,
+                                   decode_per_prefill=DECODE_PER_PREFILL if decode_per_prefill is None
+                                   else decode_per_prefill)
 
     # -- HTTP side ---------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -124,6 +126,10 @@ class Engine:
     def stored(self, context_ids: list[int]):
         """The store entry of exactly this context, or None (marks it used)."""
         return self.store.get((tuple(context_ids), self.model_name, self.press_label)) if context_ids else None
+
+    def is_stored(self, context_ids: list[int]) -> bool:
+        """Whether exactly this context is stored (a request on it needs no context prefill); marks nothing."""
+        return bool(context_ids) and (tuple(context_ids), self.model_name, self.press_label) in self.store
 
     def context_cache(self, context_ids: list[int], rid: str = "-") -> DynamicCache:
         """The stored cache of this context (exact hit, a stored earlier turn extended, or a new prefill)."""

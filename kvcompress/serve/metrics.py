@@ -49,6 +49,11 @@ class ServerMetrics:
                                       buckets=fine, registry=r)
         self.batch_size = Histogram(f"{PREFIX}_batch_size", "sessions decoded per step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.steps_between_prefills = Histogram(
+            f"{PREFIX}_decode_steps_between_prefills",
+            "decode steps of the batch since the previous context prefill, at each context prefill that runs while "
+            "sessions decode (bounded below by --decode-per-prefill)",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.tokens_per_second = Gauge(f"{PREFIX}_decode_tokens_per_second", "tokens per second of the last step",
                                        registry=r)
         self.uncompressed = Counter(f"{PREFIX}_press_fallbacks", "contexts the press could not compress (kept whole)",

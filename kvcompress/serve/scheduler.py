@@ -11,8 +11,22 @@ step of its own (batch 1) and its first token streamed; then it joins the decode
   prefill and compression, cannot be chunked into decode steps at all, since the press needs the whole context;
 - it is the one-request path, so the first token is the one a lone request gets.
 
-At most one context prefill runs between two decode steps while sessions are decoding, so a burst of new
-contexts delays the running answers by one prefill per step, not by all of them.
+Admission policy (the prefill budget, ``--decode-per-prefill`` R). A context prefill (and compression) cannot
+be chunked and stalls every decoding session for its whole length, while a decode step serves all of them at
+once; so the worker alternates the two under a budget: while sessions decode, the next context prefill waits
+until the batch has decoded for R times the previous prefill's seconds, and at least one step (context prefills
+take at most 1/(1+R) of the worker's time while the batch is not empty). With no session decoding a prefill
+runs at once. A request whose context is stored (a follow-up: a question prefill of about one decode step) is
+not held back by the budget: it passes the new contexts that wait for it, and joins the batch at once; nothing
+passes a request that waits for memory, so none starves. Why this and which R: on a closed load (users who send
+their next question after the answer) the total work is fixed, so the aggregate tokens/s is best when every step
+decodes as many sessions as possible, i.e. when new contexts join as early as possible: R = 0 (measured on CPU,
+docs/BENCHMARKS.md: 8 users, 512-token contexts: R = 0 gave about twice the aggregate tokens/s of R = 1, whose
+batches stayed small while new contexts waited). A larger R gives the running answers smoother streams (an
+answer is no longer held to one token per prefill while a burst of new contexts is prefilled) and lets
+follow-ups in sooner, at the cost of new contexts' time to first token and of smaller batches; it pays when
+prefills dominate and answers must finish early (2048-token contexts of ~35-s prefills, no new question after
+120 s: R = 1 gave 1.4x the aggregate tokens/s of R = 0, whose answers all waited for every context's prefill).
 
 Memory: one budget (``--cache-memory``) for everything resident: the stored contexts plus the decode batch. A
 session reserves its whole answer when it joins (rows of its context and question + ``max_tokens``), padded to
@@ -35,12 +49,23 @@ from kvcompress.serve.batch import DecodeBatch, batch_bytes, build, decode_step
 from kvcompress.serve.engine import Job, QueueFull, Session, TooLarge, sample
 
 log = logging.getLogger("kvcompress.serve")
+DECODE_PER_PREFILL = 0.0  # --decode-per-prefill's default (see the module docstring)
+MAX_DECODE_PER_PREFILL = 1e6
+
+
+def check_decode_per_prefill(value: float) -> float:
+    """``value`` if it is a valid ``--decode-per-prefill`` (a number in [0, 1e6]), else a one-line ValueError."""
+    if not (math.isfinite(value) and 0 <= value <= MAX_DECODE_PER_PREFILL):
+        raise ValueError(f"--decode-per-prefill: must be a number in [0, 1e6], got {value}")
+    return value
 
 
 class Scheduler:
     """Owns the decode batch and the waiting queue of an :class:`~kvcompress.serve.engine.Engine`."""
 
-    def __init__(self, engine, *, max_batch: int, max_batch_tokens: int, memory: int, max_queue: int):
+    def __init__(self, engine, *, max_batch: int, max_batch_tokens: int, memory: int, max_queue: int,
+                 decode_per_prefill: float = DECODE_PER_PREFILL):
+        check_decode_per_prefill(decode_per_prefill)
         if max_batch < 1:
             raise ValueError(f"--max-batch: must be an integer >= 1, got {max_batch}")
         if max_batch_tokens < 1:
@@ -55,6 +80,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._seconds_per_request = 1.0  # running mean, for Retry-After
+        self.decode_per_prefill = decode_per_prefill
+        self._owed = 0.0  # seconds of decoding owed before the next context prefill (while sessions decode)
+        self._steps_since_prefill, self._decoded_since_prefill = 0, 0.0
         self._thread = threading.Thread(target=self._run, name="kvcompress-scheduler", daemon=True)
         self._thread.start()
 
@@ -116,7 +144,7 @@ class Scheduler:
     def _capacity(self, sessions: list[Session]) -> int:
         return max((s.need for s in sessions), default=0)
 
-    def _fits(self, joining: list[Session], need: int, new_bytes: int, keep) -> bool:
+    def _fits(self, joining: list[Session], need: int, new_bytes: int, keep, evict: bool = True) -> bool:
         """Whether a session reserving ``need`` batch rows fits beside the active and joining sessions. When it
         does, stored contexts are evicted (least recently used first, ``keep`` last) so the batch, the stored
         contexts and ``new_bytes`` of a context about to be stored stay within the budget; a context that then
@@ -133,6 +161,8 @@ class Scheduler:
         batch = self._batch_bytes(sessions, capacity)
         if batch > self.memory and sessions > 1:
             return False
+        if not evict:
+            return True
         store = self.engine.store
         room = max(self.memory - batch, 0)
         if store.evict_to(max(room - new_bytes, 0), keep) > room:
@@ -174,9 +204,34 @@ class Scheduler:
             session.job.emit("error", f"generation failed: {type(err).__name__}: {first}")
         self.active, self.batch = [], None
 
+    def _next_job(self, joining: list[Session]) -> Job | None:
+        """The waiting request to open now, or None. Arrival order, except that while the prefill budget holds
+        context prefills back, a request whose context is stored (a follow-up: only its question to prefill)
+        passes the contexts waiting for their prefill. Nothing passes a request that waits for memory, so no
+        request starves."""
+        cold_ok = self._may_prefill(joining)
+        with self._cond:
+            while self._waiting and self._waiting[0].cancelled.is_set():
+                self._waiting.popleft()
+                self.metrics.cancelled.inc()
+            jobs = list(self._waiting)
+        for job in jobs:
+            if job.cancelled.is_set():
+                continue
+            if cold_ok or self.engine.is_stored(job.context_ids) or not job.context_ids:
+                return job
+            if not self._fits(joining, self._estimate(job, peek=True)[0], 0, None, evict=False):
+                return None  # it waits for memory, not for the budget: first come, first served
+        return None
+
+    def _may_prefill(self, joining: list[Session]) -> bool:
+        """The prefill budget: a context prefill may run when no session decodes or joins, or when the batch has
+        decoded for ``decode_per_prefill`` times the previous context prefill's seconds (and at least one step)
+        since that prefill."""
+        return not (self.active or joining) or (self._steps_since_prefill >= 1 and self._owed <= 0)
+
     def _admit(self) -> None:
         joining: list[Session] = []
-        prefilled = False
         while True:
             if self._ready:  # opened sessions first: they hold memory already
                 session = self._ready[0]
@@ -184,20 +239,17 @@ class Scheduler:
                     break
                 joining.append(self._ready.popleft())
                 continue
-            with self._cond:
-                while self._waiting and self._waiting[0].cancelled.is_set():
-                    self._waiting.popleft()
-                    self.metrics.cancelled.inc()
-                job = self._waiting[0] if self._waiting else None
-            if job is None or (prefilled and (self.active or joining)):
+            job = self._next_job(joining)
+            if job is None:
                 break
             need, new_bytes, key = self._estimate(job)
             if not self._fits(joining, need, new_bytes, key):
                 break
             with self._cond:
-                self._waiting.popleft()
+                self._waiting.remove(job)
             self.metrics.queue_seconds.observe(time.perf_counter() - job.submitted)
-            prefilled = prefilled or new_bytes > 0
+            cold = not self.engine.is_stored(job.context_ids) and bool(job.context_ids)
+            start = time.perf_counter()
             try:
                 session = self.engine.open_session(job)
             except Exception as err:  # noqa: BLE001
@@ -205,6 +257,8 @@ class Scheduler:
                 first = str(err).splitlines()[0] if str(err) else ""
                 job.emit("error", f"generation failed: {type(err).__name__}: {first}")
                 continue
+            if cold:
+                self._prefilled(job, time.perf_counter() - start)
             if session.finish is not None:
                 self._retired(session)
             elif self._fits(joining, session.need, 0, None):
@@ -218,6 +272,18 @@ class Scheduler:
             for session in joining:
                 session.rows = None  # the batch holds them now
             self.active += joining
+
+    def _prefilled(self, job: Job, seconds: float) -> None:
+        """Book a context prefill of ``seconds`` against the budget: the batch owes that many seconds times
+        ``decode_per_prefill`` of decoding before the next one (while sessions decode)."""
+        if self.active:
+            self.metrics.steps_between_prefills.observe(self._steps_since_prefill)
+        log.info("request %s context prefill of %.3f s after %d decode steps (%.3f s) since the previous one, %d "
+                 "sessions decoding; the next one after %.3f s of decoding", job.rid, seconds,
+                 self._steps_since_prefill, self._decoded_since_prefill, len(self.active),
+                 self.decode_per_prefill * seconds)
+        self._owed = self.decode_per_prefill * seconds
+        self._steps_since_prefill, self._decoded_since_prefill = 0, 0.0
 
     def _retired(self, session: Session) -> None:
         self.engine.close(session, batch=len(self.active))
@@ -242,6 +308,9 @@ class Scheduler:
             if self.engine.advance(session, token):
                 done.append(b)
         seconds = time.perf_counter() - start
+        self._owed -= seconds
+        self._steps_since_prefill += 1
+        self._decoded_since_prefill += seconds
         self.metrics.batch_size.observe(len(sessions))
         self.metrics.step_seconds.observe(seconds)
         self.metrics.tokens_per_second.set(len(sessions) / seconds if seconds > 0 else 0.0)

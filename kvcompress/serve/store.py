@@ -74,6 +74,11 @@ class ContextStore:
                 self._entries.move_to_end(key)
             return entry
 
+    def __contains__(self, key: StoreKey) -> bool:
+        """Whether ``key`` is stored (without marking it used)."""
+        with self._lock:
+            return key in self._entries
+
     def longest_prefix(self, tokens: tuple[int, ...], model: str, press: str, min_tokens: int) -> Entry | None:
         """The stored entry of this model and press whose context is the longest proper prefix of ``tokens``
         with at least ``min_tokens`` tokens (marked as used), or None."""
