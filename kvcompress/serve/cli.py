@@ -105,6 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        import uvicorn
+
+        from kvcompress.serve.app import create_app
+    except ImportError as err:
+        print(f"kvcompress serve: error: {err.name} is missing; install the serve extra: pip install "
+              "'kvcompress[serve]'", file=sys.stderr)
+        return 2
+    try:
         from kvcompress.serve.store import parse_bytes
 
         capacity = parse_bytes(args.cache_memory)
@@ -121,14 +129,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         press, press_label = press_from_args(args)
     except ValueError as err:
         print(f"kvcompress serve: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        import uvicorn
-
-        from kvcompress.serve.app import create_app
-    except ImportError as err:
-        print(f"kvcompress serve: error: {err.name} is missing; install the serve extra: pip install "
-              "'kvcompress[serve]'", file=sys.stderr)
         return 2
     import torch
 
