@@ -27,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--method", default="compresskv",
                    help="a press of the method registry, or exact (default compresskv: about a plain prefill's "
-                        "cost; compresskv_thorough re-reads each context once more, ~2x the prefill, and keeps "
-                        "more of the facts later questions ask for: choose it when contexts are stored and asked "
-                        "many questions)")
+                        "cost; compresskv_thorough re-reads each context once more (4.4x the prefill on CPU) and "
+                        "keeps more of what later questions and continuations need: choose it when contexts are "
+                        "stored and asked many questions)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
                    help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")
