@@ -5,7 +5,9 @@ prefill-time ratio of a press (load the model, tokenize, prefill; compare median
 external process timer). ``--press none`` stops after loading, to subtract the fixed cost. Presses are
 ``kvcompress.fidelity`` specs (``NAME`` or ``NAME[field=value,...]``); the context is the fidelity study's
 first prose context of ``--tokens`` tokens. ``--also`` runs more presses in turn in the same process and each
-line reports wall and CPU seconds (CPU time is the steadier figure on a shared machine).
+line reports wall and CPU seconds (CPU time is the steadier figure on a shared machine) and, on Linux, the
+process's peak resident memory during the prefill, whole and above what was resident before it (the model's
+weights, the tokenizer, the interpreter); the compressed cache is still held at the peak's reading.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
 import torch
 from transformers import pipeline
 
+from eval.speed.clock import Clock
 from kvcompress.fidelity.contexts import build_contexts
 from kvcompress.fidelity.measure import prefill
 from kvcompress.fidelity.specs import make_press, parse_spec
@@ -43,14 +46,21 @@ def main(argv: list[str] | None = None) -> None:
     context = build_contexts(pipe, ["prose"], [args.tokens], seeds=1, continuation=1)[0]
     if spec is None:
         return
+    clock = Clock(torch.device("cpu"))
     for i in range(args.repeats):  # the presses in turn, so that a drift of the machine's speed hits them alike
         for press_spec in [spec, *others]:
+            press = make_press(press_spec, args.kept, seed=i)
+            clock.memory_reset()
+            before = clock.memory_peak_gib()
             cpu = time.process_time()
-            seconds = prefill(model, make_press(press_spec, args.kept, seed=i), context.ids)[1]
+            cache, seconds = prefill(model, press, context.ids)[:2]
             cpu = time.process_time() - cpu
+            peak = clock.memory_peak_gib()
+            del cache
+            memory = "" if peak is None else f", peak resident {peak:.3f} GiB (+{peak - before:.3f} GiB)"
             print(
                 f"{press_spec.label} kept={args.kept} tokens={context.ids.shape[1]} round {i}: "
-                f"prefill {seconds:.3f} s wall, {cpu:.3f} s CPU",
+                f"prefill {seconds:.3f} s wall, {cpu:.3f} s CPU{memory}",
                 flush=True,
             )
 

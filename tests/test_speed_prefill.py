@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from eval import speed
+from eval.speed.clock import Clock
 from eval.speed.prefill import SETTINGS
 
 ARGS = ["--device", "cpu", "--smoke", "--dtype", "float32", "--only", "prefill", "--breakdown-lengths", "320"]
@@ -19,9 +23,14 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
     rows = data["prefill_breakdown"]["rows"]
     assert [r["setting"] for r in rows] == list(SETTINGS)
     by_name = {r["setting"]: r for r in rows}
+    resident = cpu_peak_readable()
     for row in rows:
         assert "error" not in row, row
-        assert row["n"] == 320 and row["total_s"] > 0 and row["vs_none"] > 0 and row["peak_gib"] is None
+        assert row["n"] == 320 and row["total_s"] > 0 and row["vs_none"] > 0
+        if resident:  # the process's peak resident memory: at least the model's weights, far below the machine's
+            assert 0.001 < row["peak_gib"] < 64 and row["peak_vs_snapkv"] > 0, row
+        else:
+            assert row["peak_gib"] is None and "peak_vs_snapkv" not in row
         assert row["forward_s"] > 0 and min(row[k] for k in ("repeat_forward_s", "mass_s", "selection_s", "fit_s")) >= 0
     for name in ("none", "snapkv"):  # nothing of ours runs: all in the forward
         assert by_name[name]["mass_s"] == by_name[name]["fit_s"] == by_name[name]["selection_s"] == 0
@@ -38,3 +47,26 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
         (64, True, "torch"),
     ]
     assert all(r["median_s"] > 0 and r["tflops"] > 0 for r in mass)
+
+
+def cpu_peak_readable() -> bool:
+    clock = Clock(torch.device("cpu"))
+    clock.memory_reset()
+    return clock.memory_peak_gib() is not None
+
+
+def test_cpu_peak_sees_a_tensor_allocated_after_the_reset_and_not_one_freed_before() -> None:
+    if not cpu_peak_readable():
+        pytest.skip("this OS does not let a process reset and read its peak resident memory (Linux /proc)")
+    clock = Clock(torch.device("cpu"))
+    before = torch.rand(64, 1024, 1024)  # 256 MiB, touched
+    del before
+    clock.memory_reset()
+    base = clock.memory_peak_gib()
+    big = torch.rand(128, 1024, 1024)  # 512 MiB
+    grown = clock.memory_peak_gib() - base
+    del big
+    clock.memory_reset()
+    after = clock.memory_peak_gib()
+    assert 0.45 < grown < 0.75, grown  # 0.5 GiB, give or take what the interpreter allocated meanwhile
+    assert after < base + 0.1, (base, after)  # the freed tensor left the resident set and the peak was reset

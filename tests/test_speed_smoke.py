@@ -60,7 +60,7 @@ def test_smoke_run_writes_every_section(tmp_path: Path, capsys: pytest.CaptureFi
         assert positive(row["median_s"]), row
     for row in e2e["decode"]:
         assert positive(row["tokens_per_s"]) and positive(row["cache_gib"]), row
-        assert row["peak_decode_gib"] is None  # CUDA-only measurement
+        assert row["peak_decode_gib"] is None or row["peak_decode_gib"] > 0  # CPU: resident peak where readable
     full, _, compressed = e2e["decode"]
     assert compressed["cache_rows"] <= 384 // 4 < full["cache_rows"] == 384
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import inspect
 import os
@@ -12,13 +14,52 @@ from typing import Any
 
 import torch
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _resident_peak_bytes() -> int | None:
+    """This process's peak resident memory since its last reset (Linux ``VmHWM``), or None where unreadable."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_resident_peak() -> bool:
+    """Reset ``VmHWM`` to the current resident memory (Linux ``clear_refs`` 5); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _return_freed_memory() -> None:
+    """Serve every allocation of 64 KiB or more by its own mmap (glibc), so a freed tensor leaves the resident
+    set at once: else memory freed by one setting stays resident and counts in the next one's peak."""
+    path = ctypes.util.find_library("c")
+    if path:
+        try:
+            ctypes.CDLL(path).mallopt(_M_MMAP_THRESHOLD, 1 << 16)
+        except (OSError, AttributeError):
+            pass
+
 
 class Clock:
-    """CUDA events on CUDA devices, ``time.perf_counter`` elsewhere."""
+    """CUDA events on CUDA devices, ``time.perf_counter`` elsewhere. Peak memory: allocated device memory on
+    CUDA; on CPU the whole process's peak resident memory (Linux; model weights included, as on CUDA)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self._resident = False
+        if not self.cuda:
+            _return_freed_memory()
 
     def sync(self) -> None:
         if self.cuda:
@@ -57,13 +98,17 @@ class Clock:
     def memory_reset(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._resident = _reset_resident_peak()
 
     def memory_peak_gib(self) -> float | None:
-        """Peak allocated device memory since the last reset (None on CPU)."""
-        if not self.cuda:
-            return None
-        self.sync()
-        return torch.cuda.max_memory_allocated(self.device) / 2**30
+        """Peak memory since the last reset, GiB: allocated on CUDA, resident on CPU (None where the CPU's
+        peak cannot be reset and read)."""
+        if self.cuda:
+            self.sync()
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        peak = _resident_peak_bytes() if self._resident else None
+        return None if peak is None else peak / 2**30
 
 
 def stats(samples: list[float]) -> dict[str, float]:
