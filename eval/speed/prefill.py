@@ -40,8 +40,10 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "paper": None,
     "default": {},
     "thorough": None,  # CompressKVPress.thorough()
+    "kvzip": None,  # CompressKVPress.kvzip(): KVzip's scoring, repeat pass without window or fit
     "window_repeat_sum": dict(reference=("window", "repeat"), score_pooling="sum"),  # the default before novelty
     "window": dict(reference=("window",)),
+    "window_sum": dict(reference=("window",), score_pooling="sum"),  # README's pick when the continuation matters
     "window_nofit": dict(reference=("window",), fit="none"),
     "context": dict(reference=("window", "context")),
     "accumulated": dict(reference=("window", "accumulated")),
@@ -64,6 +66,8 @@ def make_setting(name: str, cfg: Config):
         return CompressKVPress.paper(ratio, seed=cfg.seed, bin_rank=cfg.bin_rank)
     if name == "thorough":
         return CompressKVPress.thorough(ratio, seed=cfg.seed)
+    if name == "kvzip":
+        return CompressKVPress.kvzip(ratio, seed=cfg.seed)
     return CompressKVPress(compression_ratio=ratio, seed=cfg.seed, **SETTINGS[name])
 
 

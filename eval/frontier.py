@@ -1,0 +1,184 @@
+"""The retention / cost frontier of press settings, from results already measured.
+
+Each point (a press setting) takes its numbers from the files other harnesses wrote, nothing is re-run here:
+
+* questions asked after compression: the RULER-style average of ``kvcompress eval --benchmark ruler``
+  (``scores.json`` of a run directory and the method's name there), at each kept fraction given;
+* the continuation: KL / SnapKV's KL (paired ratio with its 95% interval, and the worst context's ratio) from
+  ``python -m eval.fidelity``'s ``summary.json`` and the press's label there;
+* the prefill's cost: ``python -m eval.prefill_time``'s output lines for the press's label, the median CPU seconds
+  over rounds divided by the baseline's (``baseline_prefill``), and the median peak resident memory above what
+  the process held before the prefill.
+
+    python -m eval.frontier --points results/frontier/points.yaml --output-dir results/frontier
+
+Writes ``frontier.md`` (the table, also printed), ``frontier.json`` and ``frontier.png`` (two panels against the
+prefill cost: the RULER-style average per kept fraction, and the KL ratio with its interval; skipped with a
+note without matplotlib). Paths in the points file are relative to the current directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcompress.config import load_yaml
+
+PREFILL_LINE = re.compile(
+    r"^(?P<label>\S+) kept=\S+ tokens=\d+ round \d+: prefill [\d.]+ s wall, (?P<cpu>[\d.]+) s CPU"
+    r"(?:, peak resident [\d.]+ GiB \(\+(?P<peak>[\d.]+) GiB\))?$"
+)
+
+
+@dataclass
+class PointsFile:
+    """The points file's keys: ``baseline_prefill`` ``[log, label]`` (the no-press prefill), ``points`` (each with
+    ``name`` and optional ``ruler`` ``{kept: [run_dir, method]}``, ``kl`` ``[summary.json, label]`` and ``prefill``
+    ``[log, label]``), and the kept fraction of the KL ratios."""
+
+    baseline_prefill: list = field(default_factory=list)
+    points: list = field(default_factory=list)
+    kl_kept: float = 0.25
+
+
+def ruler_average(run_dir: str, method: str) -> float:
+    """The RULER-style average of ``method`` in a run directory's ``scores.json``."""
+    scores = json.loads((Path(run_dir) / "scores.json").read_text())
+    if method not in scores["results"]:
+        raise ValueError(f"ruler: no method {method!r} in {run_dir}/scores.json (has {list(scores['results'])})")
+    return scores["results"][method]["average"]
+
+
+def kl_ratio(summary: str, label: str, kept: float) -> dict:
+    """KL / SnapKV's KL of ``label`` at ``kept`` in an eval.fidelity ``summary.json``: mean, interval, worst."""
+    for entry in json.loads(Path(summary).read_text())["summary"]:
+        if entry["press"] == label and abs(entry["kept"] - kept) < 1e-9:
+            return dict(
+                ratio=entry["kl_vs_snapkv"],
+                low=entry["kl_vs_snapkv_lo"],
+                high=entry["kl_vs_snapkv_hi"],
+                worst=entry["kl_ratio_max"],
+                contexts=entry["contexts"],
+            )
+    raise ValueError(f"kl: no press {label!r} at kept {kept} in {summary}")
+
+
+def prefill_cost(log: str, label: str) -> tuple[float, float | None]:
+    """Median CPU seconds and median peak resident GiB above the start of ``label``'s prefills in an
+    eval.prefill_time output."""
+    cpu, peak = [], []
+    for line in Path(log).read_text().splitlines():
+        match = PREFILL_LINE.match(line.strip())
+        if match and match["label"] == label:
+            cpu.append(float(match["cpu"]))
+            if match["peak"] is not None:
+                peak.append(float(match["peak"]))
+    if not cpu:
+        raise ValueError(f"prefill: no line for {label!r} in {log}")
+    return statistics.median(cpu), statistics.median(peak) if peak else None
+
+
+def collect(points_file: str) -> dict:
+    """Every point's numbers (see the module docstring)."""
+    spec = PointsFile(**load_yaml(Path(points_file), Path(points_file), PointsFile))
+    base_cpu, base_peak = prefill_cost(*spec.baseline_prefill)
+    kept_kl = float(spec.kl_kept)
+    rows = []
+    for point in spec.points:
+        row = dict(name=point["name"], ruler={}, kl=None, prefill_ratio=None, peak_gib=None)
+        for kept, (run_dir, method) in (point.get("ruler") or {}).items():
+            row["ruler"][str(kept)] = ruler_average(run_dir, method)
+        if point.get("kl"):
+            row["kl"] = kl_ratio(*point["kl"], kept_kl)
+        if point.get("prefill"):
+            cpu, peak = prefill_cost(*point["prefill"])
+            row["prefill_ratio"] = cpu / base_cpu
+            row["peak_gib"] = peak
+        rows.append(row)
+    fractions = sorted({kept for row in rows for kept in row["ruler"]}, key=float)
+    return dict(fractions=fractions, kl_kept=kept_kl, baseline_peak_gib=base_peak, points=rows)
+
+
+def markdown(result: dict) -> str:
+    fractions = result["fractions"]
+    head = ["setting", *[f"RULER-style avg, {float(f):.0%} kept" for f in fractions]]
+    head += [f"KL / SnapKV at {result['kl_kept']:.0%} kept [95% CI]", "worst context", "CPU prefill / no press"]
+    head += ["peak above start, GiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def fmt(value, pattern: str) -> str:
+        return "-" if value is None else pattern.format(value)
+
+    for row in result["points"]:
+        kl = row["kl"]
+        cells = [row["name"], *[fmt(row["ruler"].get(f), "{:.1f}") for f in fractions]]
+        cells.append("-" if kl is None else f"{kl['ratio']:.2f} [{kl['low']:.2f}, {kl['high']:.2f}]")
+        cells.append(fmt(kl and kl["worst"], "{:.2f}"))
+        cells += [fmt(row["prefill_ratio"], "{:.2f}"), fmt(row["peak_gib"], "{:.3f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    points = [row for row in result["points"] if row["prefill_ratio"] is not None]
+    for marker, kept in zip("os^D", result["fractions"], strict=False):
+        shown = [row for row in points if kept in row["ruler"]]
+        left.scatter([r["prefill_ratio"] for r in shown], [r["ruler"][kept] for r in shown], marker=marker)
+        for row in shown:
+            left.annotate(row["name"], (row["prefill_ratio"], row["ruler"][kept]), fontsize=7)
+        left.plot([], [], marker, label=f"{float(kept):.0%} kept")
+    left.set(xlabel="CPU prefill / no press", ylabel="RULER-style average", title="Questions after compression")
+    left.legend()
+    shown = [row for row in points if row["kl"] is not None]
+    ratios = [row["kl"]["ratio"] for row in shown]
+    errors = [[r - row["kl"]["low"] for r, row in zip(ratios, shown, strict=True)]]
+    errors.append([row["kl"]["high"] - r for r, row in zip(ratios, shown, strict=True)])
+    right.errorbar([row["prefill_ratio"] for row in shown], ratios, yerr=errors, fmt="o", capsize=3)
+    for row in shown:
+        right.annotate(row["name"], (row["prefill_ratio"], row["kl"]["ratio"]), fontsize=7)
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set(
+        xlabel="CPU prefill / no press",
+        ylabel=f"KL / SnapKV's KL at {result['kl_kept']:.0%} kept",
+        title="Continuation (lower is better)",
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", required=True, help="YAML file of points (see results/frontier/points.yaml)")
+    parser.add_argument("--output-dir", default="results/frontier", help="where the table and plot go")
+    args = parser.parse_args(argv)
+    try:
+        result = collect(args.points)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(f"frontier: {exc}") from None
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(result)
+    (out / "frontier.md").write_text(table + "\n")
+    (out / "frontier.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(table)
+    try:
+        plot(result, out / "frontier.png")
+    except ImportError as exc:
+        print(f"frontier.png skipped: the plot needs {exc.name or 'matplotlib'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""eval/frontier.py: the retention / cost table and plot read the numbers the other harnesses wrote."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eval import frontier
+
+
+def write_ruler(run_dir: Path, averages: dict[str, float]) -> None:
+    run_dir.mkdir(parents=True)
+    results = {method: {"average": value, "tasks": {}} for method, value in averages.items()}
+    (run_dir / "scores.json").write_text(json.dumps({"benchmark": "ruler", "results": results}))
+
+
+def test_table_and_plot_take_each_number_from_its_file(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    ruler = {kept: {"compresskv": rng.uniform(0, 100), "snapkv": rng.uniform(0, 100)} for kept in ("0.25", "0.5")}
+    for kept, averages in ruler.items():
+        write_ruler(tmp_path / f"ruler_{kept}", averages)
+    entry = dict(press="compresskv", kept=0.25, contexts=12, kl_vs_snapkv=1.3, kl_vs_snapkv_lo=1.1)
+    entry.update(kl_vs_snapkv_hi=1.6, kl_ratio_max=2.4)
+    other = {**entry, "kept": 0.5, "kl_vs_snapkv": 9.0}  # another fraction: never read at kl_kept 0.25
+    (tmp_path / "summary.json").write_text(json.dumps({"summary": [other, entry]}))
+    cpu = {"exact": [8.0, 6.0, 7.0], "compresskv": [9.0, 9.5, 8.5]}
+    lines = ["loading...", "snapkv kept=0.25 tokens=2024 round 0: prefill 1.0 s wall, 99.0 s CPU"]
+    for label, seconds in cpu.items():
+        for i, s in enumerate(seconds):
+            peak = 0.1 * (i + 1) if label == "compresskv" else 0.05
+            lines.append(
+                f"{label} kept=0.25 tokens=2024 round {i}: prefill 3.5 s wall, {s} s CPU, "
+                f"peak resident 1.000 GiB (+{peak:.3f} GiB)"
+            )
+    (tmp_path / "prefill.txt").write_text("\n".join(lines) + "\n")
+    points = dict(
+        baseline_prefill=[str(tmp_path / "prefill.txt"), "exact"],
+        points=[
+            dict(
+                name="default",
+                ruler={kept: [str(tmp_path / f"ruler_{kept}"), "compresskv"] for kept in ruler},
+                kl=[str(tmp_path / "summary.json"), "compresskv"],
+                prefill=[str(tmp_path / "prefill.txt"), "compresskv"],
+            ),
+            dict(name="ruler only", ruler={"0.25": [str(tmp_path / "ruler_0.25"), "snapkv"]}),
+        ],
+    )
+    points_file = tmp_path / "points.yaml"
+    points_file.write_text(yaml.safe_dump(points))
+    out = tmp_path / "out"
+    assert frontier.main(["--points", str(points_file), "--output-dir", str(out)]) == 0
+    result = json.loads((out / "frontier.json").read_text())
+    default, only = result["points"]
+    assert default["ruler"] == {kept: ruler[kept]["compresskv"] for kept in ruler}
+    assert default["prefill_ratio"] == pytest.approx(9.0 / 7.0)  # medians of the CPU seconds
+    assert default["peak_gib"] == pytest.approx(0.2)
+    assert default["kl"] == dict(ratio=1.3, low=1.1, high=1.6, worst=2.4, contexts=12)
+    assert only["ruler"] == {"0.25": ruler["0.25"]["snapkv"]} and only["kl"] is None and only["prefill_ratio"] is None
+    table = (out / "frontier.md").read_text()
+    low, high = ruler["0.25"]["compresskv"], ruler["0.5"]["compresskv"]
+    assert f"| default | {low:.1f} | {high:.1f} | 1.30 [1.10, 1.60] | 2.40 | 1.29 | 0.200 |" in table
+    assert "| ruler only |" in table
+    pytest.importorskip("matplotlib")
+    assert (out / "frontier.png").stat().st_size > 0
+
+
+def test_a_missing_method_names_the_file(tmp_path: Path) -> None:
+    write_ruler(tmp_path / "run", {"snapkv": 10.0})
+    (tmp_path / "prefill.txt").write_text("exact kept=0.25 tokens=10 round 0: prefill 1.0 s wall, 2.0 s CPU\n")
+    points = dict(
+        baseline_prefill=[str(tmp_path / "prefill.txt"), "exact"],
+        points=[dict(name="x", ruler={"0.25": [str(tmp_path / "run"), "compresskv"]})],
+    )
+    (tmp_path / "points.yaml").write_text(yaml.safe_dump(points))
+    with pytest.raises(SystemExit, match="no method 'compresskv'"):
+        frontier.main(["--points", str(tmp_path / "points.yaml"), "--output-dir", str(tmp_path / "out")])
