@@ -26,56 +26,29 @@ def mixed_scores(
     weights: dict[str, float],
     pool: dict[str, int],
     reserved: int = 0,
-    coverage: float = 0.0,
-    rows: int = 0,
 ) -> torch.Tensor:
     """Scores of the middle rows ``[start, end)``: ``[b, h_kv, end - start]``. Each query source's attention mass on
     the middle is average-pooled over ``pool[source]`` neighbours (SnapKV pools its window scores, kernel 5),
     normalised to sum 1 per head and weighted by ``weights[source]`` (default 1). The query-free ``"novelty"``
     prior does not mix (a flat prior summed with a peaked mass would never outrank it): its ``reserved`` highest
     rows per head score above every other row, so a top-``rows`` selection keeps them and fills the rest by the
-    query sources. ``coverage`` > 0 (with ``rows``, the middle's budget) lowers ``reserved`` per head so that the
-    query sources keep the rows they need first (:func:`novelty_rows`). With no query source, the scores are the
-    novelty itself."""
-    total = query_scores(reference, start, end, weights, pool)
-    if "novelty" not in reference.mass:
-        return total
-    novelty = reference.mass["novelty"][:, :, start:end]
-    if total is None:
-        return novelty
-    length = novelty.shape[-1]
-    reserved = novelty_rows(total, rows, reserved, coverage)
-    reserved = torch.as_tensor(reserved, device=novelty.device).clamp(0, length).expand(novelty.shape[:-1])
-    order = torch.sort(novelty, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=order.device).expand_as(order))
-    chosen = rank < reserved[..., None]  # each head's reserved top-novelty rows (ties toward earlier positions)
-    return torch.where(chosen, total + (1.0 + total.amax(-1, keepdim=True)), total)
-
-
-def query_scores(
-    reference: LayerReference, start: int, end: int, weights: dict[str, float], pool: dict[str, int]
-) -> torch.Tensor | None:
-    """The query sources' part of :func:`mixed_scores`: ``[b, h_kv, end - start]``, None without a query source."""
+    query sources. With no query source, the scores are the novelty itself."""
     total = None
     for source, mass in reference.mass.items():
         if source == "novelty":
             continue
         part = normalise(pool_scores(mass[:, :, start:end], pool.get(source, 1))) * weights.get(source, 1.0)
         total = part if total is None else total + part
-    return total
-
-
-def novelty_rows(scores: torch.Tensor, rows: int, cap: int, coverage: float) -> int | torch.Tensor:
-    """Middle rows per head the novelty prior takes out of a budget of ``rows``: ``cap``, but with ``coverage`` > 0
-    never the rows the query sources need first: per head, the fewest top rows of ``scores [b, h_kv, L]`` (the
-    query sources' mix) whose share of the scores' total reaches ``coverage`` stay theirs. Where the reference
-    queries look at few rows, the prior gets its whole cap; where their attention is spread, less. Returns ``cap``
-    (``coverage`` 0) or ``[b, h_kv]`` int64 counts."""
-    if coverage <= 0:
-        return cap
-    ranked = normalise(scores).sort(dim=-1, descending=True).values.cumsum(-1)
-    needed = ((ranked < coverage).sum(-1) + 1).clamp_max(min(rows, scores.shape[-1]))
-    return (rows - needed).clamp(0, cap)
+    if "novelty" not in reference.mass:
+        return total
+    novelty = reference.mass["novelty"][:, :, start:end]
+    if total is None:
+        return novelty
+    reserved = min(reserved, novelty.shape[-1])
+    if reserved <= 0:
+        return total
+    chosen = torch.zeros_like(novelty, dtype=torch.bool).scatter_(-1, top_rows(novelty, reserved), True)
+    return torch.where(chosen, total + (1.0 + total.amax(-1, keepdim=True)), total)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -73,8 +73,6 @@ class CompressKVPress(WeightedSubsetPress):
     query_radius: str = "keys"
     score_pooling: str = "max"
     novelty_share: float = 0.5
-    query_coverage: float = 0.0
-    novelty_score: str = "cosine"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,8 +94,6 @@ class CompressKVPress(WeightedSubsetPress):
         check_number("hybrid_fraction", self.hybrid_fraction, 0, 1)
         check_number("repeat_fraction", self.repeat_fraction, 0, 1, low_open=True)
         check_number("novelty_share", self.novelty_share, 0, 1)
-        check_number("query_coverage", self.query_coverage, 0, 1)
-        check_choice("novelty_score", self.novelty_score, ("cosine", "leverage"))
         for name, low in (
             ("observation_window", 1),
             ("pool_kernel", 1),
@@ -155,14 +151,7 @@ class CompressKVPress(WeightedSubsetPress):
             radius = prefill_query_radius(module, kwargs) if self.query_radius == "queries" else None
             return LayerReference(query_radius=radius)
         return record_prefill(
-            module,
-            kwargs,
-            keys,
-            self.reference,
-            self.observation_window,
-            self.fit_queries,
-            self.score_pooling,
-            self.novelty_score,
+            module, kwargs, keys, self.reference, self.observation_window, self.fit_queries, self.score_pooling
         )
 
     def compress_middle(self, module, keys, values, start, end, rows, reference):
@@ -183,8 +172,6 @@ class CompressKVPress(WeightedSubsetPress):
             {"repeat": self.repeat_weight},
             {"window": self.pool_kernel},
             reserved=round(self.novelty_share * rows),
-            coverage=self.query_coverage,
-            rows=rows,
         )
         if self.selection == "hybrid":
             return compress_hybrid(

@@ -26,7 +26,7 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvcompress.selection import attention_mass, key_leverage, key_novelty
+from kvcompress.selection import attention_mass, key_novelty
 
 SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty")
 QUERY_SOURCES = tuple(source for source in SOURCES if source != "novelty")
@@ -84,13 +84,12 @@ def record_prefill(
     observation_window: int,
     samples: int,
     reduce: str = "sum",
-    novelty: str = "cosine",
 ) -> LayerReference:
     """The sources of one layer that its prefill call (hook ``kwargs``) gives: all but ``"repeat"``. ``reduce``
     pools each source's queries (:func:`kvcompress.selection.attention_mass`) and is kept for the repeat pass."""
     reference = LayerReference(reduce=reduce)
     if "novelty" in sources:
-        reference.mass["novelty"] = key_novelty(keys) if novelty == "cosine" else key_leverage(keys)
+        reference.mass["novelty"] = key_novelty(keys)
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
     n = keys.shape[-2]
     picks = {}

@@ -122,21 +122,6 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
     return 1.0 - (F.normalize(keys, dim=-1) * anchor).sum(-1)
 
 
-def key_leverage(keys: torch.Tensor, ridge: float = 1e-2) -> torch.Tensor:
-    """Ridge leverage of each recentred key in its head: ``k_c^T (C + ridge * tr(C) / d * I)^-1 k_c / d`` with
-    ``k_c = k - mean k`` and ``C = K_c^T K_c / n``, for keys ``[b, h_kv, n, d]``: ``[b, h_kv, n]`` float32 (mean 1
-    when ``ridge`` is 0). A Mahalanobis distance from the head's mean key: a key far out along a direction the
-    other keys rarely take scores high even when its cosine to the mean is ordinary. Query-free."""
-    centred = keys.double() - keys.double().mean(dim=2, keepdim=True)
-    n, d = keys.shape[-2], keys.shape[-1]
-    covariance = centred.transpose(-1, -2) @ centred / n
-    scale = covariance.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[..., None, None]
-    eye = torch.eye(d, dtype=covariance.dtype, device=keys.device)
-    factor = torch.linalg.cholesky(covariance + ridge * scale * eye)
-    whitened = torch.linalg.solve_triangular(factor, centred.transpose(-1, -2), upper=False)
-    return (whitened.square().sum(-2) / d).float()
-
-
 def causal_softmax(logits: torch.Tensor, query_positions: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last dim of ``logits [..., m, n]``; with ``query_positions [m]``, query i sees key j
     only if ``j <= query_positions[i]``."""

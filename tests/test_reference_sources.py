@@ -183,34 +183,3 @@ def test_novelty_reserves_its_share_of_the_rows_and_the_query_mass_chooses_the_r
     assert torch.equal(top_rows(mixed_scores(ref, 0, n, {}, {}, reserved=0), rows), top_rows(window, rows))
     with pytest.raises(ValueError, match="novelty_share"):
         CompressKVPress(novelty_share=1.5)
-
-
-def test_query_coverage_gives_novelty_only_the_rows_the_query_sources_do_not_need():
-    from kvcompress.methods import mixed_scores, novelty_rows
-    from kvcompress.reference import LayerReference
-    from kvcompress.selection import top_rows
-
-    generator = torch.Generator().manual_seed(12)
-    n, rows, cap, coverage = 60, 20, 15, 0.9
-    # Head 0 looks at 3 rows (90% of its mass there); head 1 spreads its mass evenly over every row.
-    window = torch.rand(1, 2, n, generator=generator) * 1e-3 + 0.01
-    peaks = torch.randperm(n, generator=generator)[:3]
-    window[0, 0, peaks] = 10.0
-    novelty = torch.rand(1, 2, n, generator=generator)
-    ref = LayerReference(mass={"window": window, "novelty": novelty})
-    share = window / window.sum(-1, keepdim=True)
-    for head in range(2):  # the fewest top rows reaching the coverage, from the definition
-        ordered = share[0, head].sort(descending=True).values.double().cumsum(0)
-        needed = int((ordered >= coverage).nonzero()[0]) + 1
-        want = max(0, min(cap, rows - min(needed, rows)))
-        assert int(novelty_rows(window, rows, cap, coverage)[0, head]) == want
-    counts = novelty_rows(window, rows, cap, coverage)[0].tolist()
-    assert counts[0] == cap and counts[1] == 0  # 3 rows cover head 0; head 1 needs more rows than the budget
-    kept = top_rows(mixed_scores(ref, 0, n, {}, {}, reserved=cap, coverage=coverage, rows=rows), rows)
-    assert set(peaks.tolist()) <= set(kept[0, 0].tolist())
-    assert set(novelty[0, 0].topk(cap).indices.tolist()) <= set(kept[0, 0].tolist())
-    assert torch.equal(kept[0, 1], top_rows(window[:, 1:], rows)[0, 0])  # all of head 1's rows by its window
-    plain = mixed_scores(ref, 0, n, {}, {}, reserved=cap)
-    assert torch.equal(mixed_scores(ref, 0, n, {}, {}, reserved=cap, coverage=0.0, rows=rows), plain)
-    with pytest.raises(ValueError, match="query_coverage"):
-        CompressKVPress(query_coverage=-0.1)
