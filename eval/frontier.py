@@ -12,9 +12,10 @@ Each point (a press setting) takes its numbers from the files other harnesses wr
 
     python -m eval.frontier --points results/frontier/points.yaml --output-dir results/frontier
 
-Writes ``frontier.md`` (the table, also printed), ``frontier.json`` and ``frontier.png`` (two panels against the
-prefill cost: the RULER-style average per kept fraction, and the KL ratio with its interval; skipped with a
-note without matplotlib). Paths in the points file are relative to the current directory.
+Writes ``frontier.md`` (the table, also printed), ``frontier.json`` and ``frontier.png`` (against the prefill
+cost: the RULER-style average per kept fraction, and the KL ratio with its interval; then the RULER-style average
+at the first kept fraction against the KL ratio; skipped with a note without matplotlib). Paths in the points
+file are relative to the current directory.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (left, right, both) = plt.subplots(1, 3, figsize=(18, 5.2))
     points = [row for row in result["points"] if row["prefill_ratio"] is not None]
     for marker, kept in zip("os^D", result["fractions"], strict=False):
         shown = [row for row in points if kept in row["ruler"]]
@@ -152,6 +153,17 @@ def plot(result: dict, path: Path) -> None:
         xlabel="CPU prefill / no press",
         ylabel=f"KL / SnapKV's KL at {result['kl_kept']:.0%} kept",
         title="Continuation (lower is better)",
+    )
+    first = result["fractions"][0] if result["fractions"] else None
+    shown = [row for row in result["points"] if row["kl"] is not None and first in row["ruler"]]
+    both.scatter([row["kl"]["ratio"] for row in shown], [row["ruler"][first] for row in shown])
+    for row in shown:
+        both.annotate(row["name"], (row["kl"]["ratio"], row["ruler"][first]), fontsize=7)
+    both.axvline(1.0, color="grey", linewidth=0.8)
+    both.set(
+        xlabel=f"KL / SnapKV's KL at {result['kl_kept']:.0%} kept",
+        ylabel=f"RULER-style average, {float(first):.0%} kept" if first else "",
+        title="Questions against continuation (top left is better)",
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
