@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a press of the method registry, or exact (default compresskv: about a plain prefill's "
                         "cost; compresskv_thorough re-reads each context once more (4.4x the prefill on CPU) and "
                         "keeps more of what later questions and continuations need: choose it when contexts are "
-                        "stored and asked many questions)")
+                        "stored and asked many questions; with compresskv, --press-option novelty_share=0.75 "
+                        "answers more questions and keeps less of the continuation)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
                    help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")
