@@ -135,10 +135,10 @@ def plot(result: dict, path: Path) -> None:
     points = [row for row in result["points"] if row["prefill_ratio"] is not None]
     for marker, kept in zip("os^D", result["fractions"], strict=False):
         shown = [row for row in points if kept in row["ruler"]]
-        left.scatter([r["prefill_ratio"] for r in shown], [r["ruler"][kept] for r in shown], marker=marker)
+        x, y = [r["prefill_ratio"] for r in shown], [r["ruler"][kept] for r in shown]
+        left.scatter(x, y, marker=marker, label=f"{float(kept):.0%} kept")
         for row in shown:
             left.annotate(row["name"], (row["prefill_ratio"], row["ruler"][kept]), fontsize=7)
-        left.plot([], [], marker, label=f"{float(kept):.0%} kept")
     left.set(xlabel="CPU prefill / no press", ylabel="RULER-style average", title="Questions after compression")
     left.legend()
     shown = [row for row in points if row["kl"] is not None]
