@@ -18,6 +18,7 @@ from kvcompress.reference import (
     QUERY_SOURCES,
     SOURCES,
     LayerReference,
+    novel_pieces,
     prefill_query_radius,
     record_prefill,
     spread_pieces,
@@ -27,6 +28,7 @@ from kvcompress.weighted_press import WeightedSubsetPress, check_choice, check_n
 SELECTIONS = ("attention", "hybrid", "rpnys")
 SCORE_POOLINGS = ("sum", "max")
 FITS = ("none", "weights", "values")
+REPEAT_PIECES = ("spread", "novel")
 
 
 @dataclass
@@ -43,8 +45,10 @@ class CompressKVPress(WeightedSubsetPress):
     head's mean, the query sources choose the rest. The default, window + novelty, costs about a SnapKV prefill:
     the window's queries keep what the text right after the context needs, the novelty prior keeps outlying facts
     asked about later.
-    ``repeat_fraction`` < 1: the repeat pass re-reads only that fraction of the context, as evenly spread
-    pieces of ``repeat_span`` tokens (cost in proportion).
+    ``repeat_fraction`` < 1: the repeat pass re-reads only that fraction of the context, in pieces of
+    ``repeat_span`` tokens (cost in proportion): ``repeat_pieces="spread"`` spreads them evenly, ``"novel"`` takes
+    the pieces with the most novel keys (needs ``"novelty"`` in ``reference``), so the second reading goes over
+    the outlying facts and its queries find their rows.
     ``fit`` (``"attention"`` selection only): ``"values"`` fits each kept row's mass ``w`` and value
     ``V_S`` to the reference queries (:mod:`kvcompress.fitting`), ``"weights"`` only ``w`` (``V_S = w v``),
     ``"none"`` keeps ``w = 1``. ``score_pooling``: a key's score from one source is the softmax attention its
@@ -68,6 +72,7 @@ class CompressKVPress(WeightedSubsetPress):
     repeat_chunk: int = 2048
     repeat_fraction: float = 1.0
     repeat_span: int = 128
+    repeat_pieces: str = "spread"
     hybrid_fraction: float = 0.5
     bin_rank: int = 12
     query_radius: str = "keys"
@@ -93,6 +98,11 @@ class CompressKVPress(WeightedSubsetPress):
         check_number("fit_ridge", self.fit_ridge, 0, low_open=True)
         check_number("hybrid_fraction", self.hybrid_fraction, 0, 1)
         check_number("repeat_fraction", self.repeat_fraction, 0, 1, low_open=True)
+        check_choice("repeat_pieces", self.repeat_pieces, REPEAT_PIECES)
+        if self.repeat_pieces == "novel" and not {"novelty", "repeat"} <= set(self.reference):
+            raise ValueError(
+                f"repeat_pieces: 'novel' needs 'novelty' and 'repeat' in reference, got reference={self.reference!r}"
+            )
         check_number("novelty_share", self.novelty_share, 0, 1)
         for name, low in (
             ("observation_window", 1),
@@ -143,7 +153,10 @@ class CompressKVPress(WeightedSubsetPress):
     def repeat_samples(self) -> int:
         return self.fit_queries if self.fit != "none" else 0
 
-    def repeat_positions(self, n: int, device) -> torch.Tensor | None:
+    def repeat_positions(self, n: int, device, references: list[LayerReference]) -> torch.Tensor | None:
+        if self.repeat_pieces == "novel":
+            novelty = [reference.mass["novelty"] for reference in references]
+            return novel_pieces(novelty, self.repeat_fraction, self.repeat_span, device)
         return spread_pieces(n, self.repeat_fraction, self.repeat_span, device)
 
     def record_reference(self, module, kwargs, keys) -> LayerReference:

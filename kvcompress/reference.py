@@ -164,6 +164,30 @@ def spread_pieces(n: int, fraction: float, span: int, device: torch.device | str
     return positions[positions < n]
 
 
+def novel_pieces(
+    novelty: list[torch.Tensor], fraction: float, span: int, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
+    """Positions of the context pieces a partial repeat pass re-reads when it targets the outlying facts: the
+    context cut into pieces of ``span`` tokens, the ``round(fraction * pieces)`` (at least 1) whose keys are most
+    novel, in order; None for all of it. ``novelty``: each layer's ``[1, h_kv, n]`` key novelty
+    (:func:`kvcompress.selection.key_novelty`); a position's score is the mean over layers and heads of its
+    novelty min-max normalised per head, a piece's score its top position's."""
+    if fraction >= 1:
+        return None
+    scores = []
+    for layer in novelty:
+        layer = layer.reshape(-1, layer.shape[-1]).float()
+        low, high = layer.amin(-1, keepdim=True), layer.amax(-1, keepdim=True)
+        scores.append(((layer - low) / (high - low).clamp_min(1e-12)).mean(0))
+    score = torch.stack(scores).mean(0).to(device)
+    n = score.shape[0]
+    pieces = -(-n // span)
+    score = torch.nn.functional.pad(score, (0, pieces * span - n), value=-1.0).view(pieces, span).amax(-1)
+    chosen = score.topk(max(1, round(fraction * pieces))).indices.sort().values
+    positions = (chosen[:, None] * span + torch.arange(span, device=device)).reshape(-1)
+    return positions[positions < n]
+
+
 def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int, snapshot: list) -> None:
     """Feed ``input_ids [b, n]`` again after the n cached context tokens, ``chunk_size`` tokens at a time
     (the layers' hooks record the queries and restore their layer from ``snapshot`` as soon as its attention

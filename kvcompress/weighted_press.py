@@ -168,8 +168,9 @@ class WeightedSubsetPress(BasePress):
         """Repeat-pass queries kept per layer for a fit (subclasses with a fit override it)."""
         return 0
 
-    def repeat_positions(self, n: int, device: torch.device) -> torch.Tensor | None:
-        """Positions of an n-token context the repeat pass re-reads, in order; None: all of them."""
+    def repeat_positions(self, n: int, device: torch.device, references: list[LayerReference]) -> torch.Tensor | None:
+        """Positions of an n-token context the repeat pass re-reads, in order; None: all of them.
+        ``references``: what each waiting layer's prefill recorded for this context."""
         return None
 
     def compress_middle(
@@ -290,7 +291,8 @@ class WeightedSubsetPress(BasePress):
         for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
             row_cache = cache if index is None else row_view_cache(cache, b, index)
             row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]
-            pieces = self.repeat_positions(row_ids.shape[1], row_ids.device)
+            references = [state["references"][b] for state in pending.values()]
+            pieces = self.repeat_positions(row_ids.shape[1], row_ids.device, references)
             row_ids = row_ids if pieces is None else row_ids[:, pieces]
             self._pending = {
                 i: dict(

@@ -19,6 +19,13 @@ PRESSES = {
     "window-fit": lambda: CompressKVPress(compression_ratio=0.75, reference=("window",), seed=0),
     "prefill-weights": lambda: CompressKVPress(compression_ratio=0.75, reference=("prefill",), fit="weights"),
     "hybrid": lambda: CompressKVPress(compression_ratio=0.75, selection="hybrid", fit="none", seed=0),
+    "novel-repeat": lambda: CompressKVPress(
+        compression_ratio=0.75,
+        reference=("window", "novelty", "repeat"),
+        repeat_fraction=0.25,
+        repeat_span=16,
+        repeat_pieces="novel",
+    ),
     "paper": lambda: CompressKVPress.paper(0.75, seed=0),
     "uniform": lambda: UniformPress(compression_ratio=0.75, seed=0),
     "uniform-weighted": lambda: UniformPress(compression_ratio=0.75, weighted=True, seed=0),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcompress import CompressKVPress, fitting, reference
-from kvcompress.reference import post_rope_queries, spread_pieces
+from kvcompress.reference import novel_pieces, post_rope_queries, spread_pieces
 from tests.references import float64_attention_mass
 from tests.test_press_options import compressed_cache, tokens
 from tests.tiny_models import tiny_model
@@ -120,6 +120,65 @@ def test_spread_pieces_and_the_partial_repeat_pass(monkeypatch):
             CompressKVPress(repeat_fraction=bad)
     with pytest.raises(ValueError, match="repeat_span"):
         CompressKVPress(repeat_span=0)
+
+
+def test_novel_pieces_take_the_pieces_of_the_most_novel_keys():
+    generator = torch.Generator().manual_seed(11)
+    # Two layers of [1, 3 heads, 1000] novelty on different scales per head; one key far out in pieces 2 and 7
+    # (the last, 104 tokens) of every head: after the per-head min-max they score 1 and about 0.5, every other
+    # key < 0.1.
+    novelty = [torch.rand(1, 3, 1000, generator=generator) * torch.tensor([1.0, 5.0, 0.2])[:, None] for _ in range(2)]
+    for layer in novelty:
+        layer[..., 990] = layer.amax(-1) * 5
+        layer[..., 300] = layer[..., 990] * 2
+    pieces = novel_pieces(novelty, 0.25, 128)  # 8 pieces: 2 re-read, in position order
+    assert torch.equal(pieces, torch.cat([torch.arange(256, 384), torch.arange(896, 1000)]))
+    assert novel_pieces(novelty, 1.0, 128) is None
+    assert torch.equal(novel_pieces(novelty, 1e-6, 128), torch.arange(256, 384))  # at least one piece: the top one
+    # Against the definition (float64, per-head min-max, mean over heads and layers, a piece's max), fresh scores:
+    novelty = [torch.rand(1, 2, 333, generator=generator) for _ in range(3)]
+    stacked = torch.stack(novelty).double()[:, 0]  # [layers, heads, n]
+    low, high = stacked.amin(-1, keepdim=True), stacked.amax(-1, keepdim=True)
+    score = ((stacked - low) / (high - low)).mean((0, 1))
+    piece_score = torch.stack([score[i : i + 32].max() for i in range(0, 333, 32)])
+    want = piece_score.topk(round(0.3 * len(piece_score))).indices.sort().values
+    got = novel_pieces(novelty, 0.3, 32)
+    assert torch.equal(got, torch.cat([torch.arange(i * 32, min(333, i * 32 + 32)) for i in want.tolist()]))
+
+
+def test_the_repeat_pass_rereads_the_novel_pieces(monkeypatch):
+    model = tiny_model("qwen2", num_hidden_layers=2)
+    context = tokens(CONTEXT, 3)
+    seen = {"totals": []}
+    record, choose = reference.record_repeat, reference.novel_pieces
+
+    def spy_record(module, kwargs, keys, ref, samples, total):
+        seen["totals"].append(total)
+        return record(module, kwargs, keys, ref, samples, total)
+
+    def spy_choose(novelty, fraction, span, device):
+        seen["novelty"], seen["pieces"] = novelty, choose(novelty, fraction, span, device)
+        return seen["pieces"]
+
+    monkeypatch.setattr("kvcompress.weighted_press.record_repeat", spy_record)
+    monkeypatch.setattr("kvcompress.presses.novel_pieces", spy_choose)
+    press = CompressKVPress(
+        compression_ratio=0.75,
+        reference=("window", "novelty", "repeat"),
+        repeat_fraction=0.25,
+        repeat_span=20,
+        repeat_pieces="novel",
+    )
+    cache = compressed_cache(model, press, context)
+    assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
+    assert len(seen["novelty"]) == 2 and seen["novelty"][0].shape == (1, 2, CONTEXT)  # every layer's, this row's
+    assert len(seen["pieces"]) == 4 * 20  # 16 pieces of 20 tokens, 4 re-read
+    assert set(seen["totals"]) == {80}
+    for bad in ("random", None):
+        with pytest.raises(ValueError, match="repeat_pieces: must be one of 'spread', 'novel'"):
+            CompressKVPress(repeat_pieces=bad)
+    with pytest.raises(ValueError, match="repeat_pieces: 'novel' needs 'novelty' and 'repeat' in reference"):
+        CompressKVPress(reference=("window", "repeat"), repeat_pieces="novel")
 
 
 def test_press_specs_take_lists_of_sources():
