@@ -7,8 +7,9 @@ Each point (a press setting) takes its numbers from the files other harnesses wr
 * the continuation: KL / SnapKV's KL (paired ratio with its 95% interval, and the worst context's ratio) from
   ``python -m eval.fidelity``'s ``summary.json`` and the press's label there;
 * the prefill's cost: ``python -m eval.prefill_time``'s output lines for the press's label, the median CPU seconds
-  over rounds divided by the baseline's (``baseline_prefill``), and the median peak resident memory above what
-  the process held before the prefill.
+  over rounds divided by the baseline's (``baseline_prefill``'s label) in the same output (a ratio within one
+  run: every log a point reads must time the baseline too), and the median peak resident memory above what the
+  process held before the prefill.
 
     python -m eval.frontier --points results/frontier/points.yaml --output-dir results/frontier
 
@@ -87,7 +88,8 @@ def prefill_cost(log: str, label: str) -> tuple[float, float | None]:
 def collect(points_file: str) -> dict:
     """Every point's numbers (see the module docstring)."""
     spec = PointsFile(**load_yaml(Path(points_file), Path(points_file), PointsFile))
-    base_cpu, base_peak = prefill_cost(*spec.baseline_prefill)
+    base_log, base_label = spec.baseline_prefill
+    base_cpu, base_peak = prefill_cost(base_log, base_label)
     kept_kl = float(spec.kl_kept)
     rows = []
     for point in spec.points:
@@ -97,8 +99,9 @@ def collect(points_file: str) -> dict:
         if point.get("kl"):
             row["kl"] = kl_ratio(*point["kl"], kept_kl)
         if point.get("prefill"):
-            cpu, peak = prefill_cost(*point["prefill"])
-            row["prefill_ratio"] = cpu / base_cpu
+            log, label = point["prefill"]
+            cpu, peak = prefill_cost(log, label)
+            row["prefill_ratio"] = cpu / (base_cpu if log == base_log else prefill_cost(log, base_label)[0])
             row["peak_gib"] = peak
         rows.append(row)
     fractions = sorted({kept for row in rows for kept in row["ruler"]}, key=float)

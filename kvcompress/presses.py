@@ -55,7 +55,8 @@ class CompressKVPress(WeightedSubsetPress):
     queries give it, ``"sum"`` summed over the queries and the GQA group (normalised mass), ``"max"`` the largest
     of them (KVzip's score: a key needed by one query counts fully). ``CompressKVPress.paper()`` is the paper's
     configuration, ``CompressKVPress.kvzip()`` KVzip's scoring, ``CompressKVPress.thorough()`` the repeat pass with max
-    pooling for contexts asked many questions.
+    pooling for contexts asked many questions, ``CompressKVPress.balanced()`` the default plus a repeat pass over the
+    most novel quarter of the context.
     """
 
     sink_size: int = 4
@@ -145,6 +146,17 @@ class CompressKVPress(WeightedSubsetPress):
         it, the kept rows fitted to those queries. Keeps what later questions ask for where cheaper scoring loses
         it (``docs/BENCHMARKS.md``, RULER-style); holds the full cache until the repeat pass ends."""
         settings = dict(reference=("window", "repeat"), score_pooling="max")
+        return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
+
+    @classmethod
+    def balanced(cls, compression_ratio: float = 0.0, seed: int | None = None, **overrides: Any) -> CompressKVPress:
+        """Between the default and ``thorough()``: the default's window and novelty prior, plus a repeat pass over
+        the quarter of the context whose keys are most novel, in pieces of 32 tokens (``repeat_pieces="novel"``),
+        max-pooled as ``thorough()``'s. The second reading goes over the outlying facts, and its queries find their
+        rows. About a quarter of ``thorough()``'s extra forward; holds the full cache until the repeat pass ends."""
+        settings = dict(
+            reference=("window", "novelty", "repeat"), repeat_fraction=0.25, repeat_span=32, repeat_pieces="novel"
+        )
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
     def reference_sources(self) -> tuple[str, ...]:

@@ -29,6 +29,8 @@ def _ours(name: str) -> Callable[[float, int], Any]:
             return CompressKVPress.kvzip(compression_ratio=ratio, seed=seed)
         if name == "compresskv_thorough":
             return CompressKVPress.thorough(compression_ratio=ratio, seed=seed)
+        if name == "compresskv_balanced":
+            return CompressKVPress.balanced(compression_ratio=ratio, seed=seed)
         if name == "compresskv_window":
             return CompressKVPress(compression_ratio=ratio, seed=seed, reference=("window",))
         cls = CompressKVPress if name == "compresskv" else UniformPress
@@ -57,6 +59,7 @@ METHODS: dict[str, Method] = {
     "compresskv": Method("CompressKV", _ours("compresskv")),
     "compresskv_paper": Method("CompressKV (paper)", _ours("compresskv_paper")),
     "compresskv_thorough": Method("CompressKV (thorough)", _ours("compresskv_thorough")),
+    "compresskv_balanced": Method("CompressKV (balanced)", _ours("compresskv_balanced")),
     "compresskv_window": Method("CompressKV (window only)", _ours("compresskv_window")),
     "compresskv_kvzip": Method("KVzip", _ours("compresskv_kvzip")),  # KVzip's max scoring in CompressKVPress
     "uniform": Method("Uniform", _ours("uniform")),

@@ -37,6 +37,11 @@ def test_table_and_plot_take_each_number_from_its_file(tmp_path: Path) -> None:
                 f"peak resident 1.000 GiB (+{peak:.3f} GiB)"
             )
     (tmp_path / "prefill.txt").write_text("\n".join(lines) + "\n")
+    # A point timed in another run is divided by that run's own baseline (ratios within one run).
+    (tmp_path / "later.txt").write_text(
+        "exact kept=0.25 tokens=2024 round 0: prefill 1.0 s wall, 5.0 s CPU\n"
+        "novel kept=0.25 tokens=2024 round 0: prefill 1.0 s wall, 8.0 s CPU\n"
+    )
     points = dict(
         baseline_prefill=[str(tmp_path / "prefill.txt"), "exact"],
         points=[
@@ -47,6 +52,7 @@ def test_table_and_plot_take_each_number_from_its_file(tmp_path: Path) -> None:
                 prefill=[str(tmp_path / "prefill.txt"), "compresskv"],
             ),
             dict(name="ruler only", ruler={"0.25": [str(tmp_path / "ruler_0.25"), "snapkv"]}),
+            dict(name="later", prefill=[str(tmp_path / "later.txt"), "novel"]),
         ],
     )
     points_file = tmp_path / "points.yaml"
@@ -54,7 +60,8 @@ def test_table_and_plot_take_each_number_from_its_file(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert frontier.main(["--points", str(points_file), "--output-dir", str(out)]) == 0
     result = json.loads((out / "frontier.json").read_text())
-    default, only = result["points"]
+    default, only, later = result["points"]
+    assert later["prefill_ratio"] == pytest.approx(8.0 / 5.0) and later["peak_gib"] is None
     assert default["ruler"] == {kept: ruler[kept]["compresskv"] for kept in ruler}
     assert default["prefill_ratio"] == pytest.approx(9.0 / 7.0)  # medians of the CPU seconds
     assert default["peak_gib"] == pytest.approx(0.2)

@@ -181,6 +181,18 @@ def test_the_repeat_pass_rereads_the_novel_pieces(monkeypatch):
         CompressKVPress(reference=("window", "repeat"), repeat_pieces="novel")
 
 
+def test_balanced_setting_and_registry_row():
+    from kvcompress import registry
+
+    press = CompressKVPress.balanced(0.75, seed=3, repeat_span=16)  # overrides replace single fields
+    assert press.reference == ("window", "novelty", "repeat") and press.repeat_pieces == "novel"
+    assert press.repeat_fraction == 0.25 and press.repeat_span == 16 and press.score_pooling == "max"
+    assert press.compression_ratio == 0.75 and press.seed == 3 and press.fit == "values"
+    built = registry.make_press("compresskv_balanced", 0.75)
+    assert built == CompressKVPress.balanced(0.75, seed=0) and built.repeat_span == 32
+    assert registry.METHODS["compresskv_balanced"].label == "CompressKV (balanced)"
+
+
 def test_press_specs_take_lists_of_sources():
     from kvcompress.fidelity.specs import make_press, parse_spec
 

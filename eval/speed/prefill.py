@@ -40,6 +40,7 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "paper": None,
     "default": {},
     "thorough": None,  # CompressKVPress.thorough()
+    "balanced": None,  # CompressKVPress.balanced(): a repeat pass over the most novel quarter
     "kvzip": None,  # CompressKVPress.kvzip(): KVzip's scoring, repeat pass without window or fit
     "window_repeat_sum": dict(reference=("window", "repeat"), score_pooling="sum"),  # the default before novelty
     "window": dict(reference=("window",)),
@@ -66,6 +67,8 @@ def make_setting(name: str, cfg: Config):
         return CompressKVPress.paper(ratio, seed=cfg.seed, bin_rank=cfg.bin_rank)
     if name == "thorough":
         return CompressKVPress.thorough(ratio, seed=cfg.seed)
+    if name == "balanced":
+        return CompressKVPress.balanced(ratio, seed=cfg.seed)
     if name == "kvzip":
         return CompressKVPress.kvzip(ratio, seed=cfg.seed)
     return CompressKVPress(compression_ratio=ratio, seed=cfg.seed, **SETTINGS[name])

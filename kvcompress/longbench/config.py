@@ -23,6 +23,7 @@ METHODS: dict[str, str] = {  # name -> row label (kvcompress.registry's presses 
         "exact",
         "compresskv",
         "compresskv_thorough",
+        "compresskv_balanced",
         "compresskv_paper",
         "compresskv_window",
         "compresskv_kvzip",

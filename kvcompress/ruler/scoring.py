@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from kvcompress.fidelity.stats import bootstrap_mean
+import numpy as np
+
+from kvcompress.fidelity.stats import bootstrap_mean, resample_indices
 
 METRICS = ("all", "part")
 _CONTROL = re.compile(r"[\x00-\x1f]")
@@ -70,3 +72,30 @@ def score_task(
         "ci_high": round(100 * high, 2),
         "questions": sum(len(e) for e in expected),
     }
+
+
+def paired_difference(
+    first: dict[str, Sequence[float]], second: dict[str, Sequence[float]], resamples: int = 4000, seed: int = 0
+) -> dict[str, float]:
+    """The RULER-style average (mean over tasks of each task's mean example score) of ``first`` minus ``second``,
+    with a 95% paired bootstrap interval: ``{"first", "second", "difference", "low", "high"}``.
+
+    ``first[task][i]`` and ``second[task][i]`` score the same context of ``task``; each task's contexts are
+    resampled on their own (stratified) and both settings take the same draw."""
+    if set(first) != set(second) or not first:
+        raise ValueError(f"tasks: both settings need the same tasks, got {sorted(first)} and {sorted(second)}")
+    draws, means = [], {}
+    for index, task in enumerate(sorted(first)):
+        a, b = np.asarray(first[task], dtype=np.float64), np.asarray(second[task], dtype=np.float64)
+        if a.shape != b.shape or a.ndim != 1 or len(a) == 0:
+            raise ValueError(f"{task}: both settings need the same contexts, got {len(a)} and {len(b)} scores")
+        picks = resample_indices(len(a), resamples, seed + index)
+        draws.append((a - b)[picks].mean(axis=1))
+        means[task] = (a.mean(), b.mean())
+    averaged = np.mean(draws, axis=0)
+    low, high = np.percentile(averaged, [2.5, 97.5])
+    first_avg = float(np.mean([m[0] for m in means.values()]))
+    second_avg = float(np.mean([m[1] for m in means.values()]))
+    return dict(
+        first=first_avg, second=second_avg, difference=first_avg - second_avg, low=float(low), high=float(high)
+    )

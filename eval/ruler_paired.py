@@ -1,0 +1,78 @@
+"""Two RULER-style runs compared on the contexts they share: each setting's average and the difference with a
+95% paired bootstrap interval (contexts resampled within each task, both settings the same draw).
+
+    python -m eval.ruler_paired RUN_A METHOD_A RUN_B METHOD_B
+
+A run is a ``kvcompress eval --benchmark ruler`` output directory; its ``run.json`` says how its contexts were made
+(model, length, seed, tasks), and contexts are paired by their key (which hashes the context), so runs of
+different ``--limit`` pair on the contexts both have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvcompress.longbench.cli import parse_config
+from kvcompress.longbench.config import task_list
+from kvcompress.longbench.data import load_task, select
+from kvcompress.ruler.scoring import example_score, paired_difference
+from kvcompress.ruler.tasks import TASKS
+
+
+def example_scores(run_dir: str, method: str) -> dict[str, dict[str, float]]:
+    """task -> context key -> the context's RULER score x 100 of ``method`` in a run directory."""
+    run = Path(run_dir)
+    settings = json.loads((run / "run.json").read_text())["settings"]
+    argv = ["--benchmark", "ruler", "--length", str(settings["length"]), "--seed", str(settings["seed"])]
+    argv += ["--tasks", *settings["tasks"], "--methods", method]
+    argv += ["--model", settings["model"]] if settings.get("model") else []
+    argv += ["--limit", str(settings["limit"])] if settings.get("limit") else []
+    cfg = parse_config(argv)
+    scores: dict[str, dict[str, float]] = {}
+    for task in task_list(cfg):
+        expected = {example.key: example.expected for example in select(load_task(task, cfg), cfg)}
+        path = run / "predictions" / method / f"{task}.jsonl"
+        if not path.exists():
+            raise ValueError(f"{run_dir}: no predictions of {method!r} for {task} ({path})")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        metric = TASKS[task].metric
+        scores[task] = {r["key"]: 100 * example_score(metric, r["prediction"], expected[r["key"]]) for r in rows}
+    return scores
+
+
+def compare(first: dict[str, dict[str, float]], second: dict[str, dict[str, float]]) -> dict:
+    """The paired difference over the tasks and contexts both runs scored."""
+    tasks = sorted(set(first) & set(second))
+    shared = {task: sorted(set(first[task]) & set(second[task])) for task in tasks}
+    if not tasks or not all(shared.values()):
+        raise ValueError(f"runs: no shared contexts in some task ({ {t: len(k) for t, k in shared.items()} })")
+    a = {task: [first[task][key] for key in keys] for task, keys in shared.items()}
+    b = {task: [second[task][key] for key in keys] for task, keys in shared.items()}
+    return paired_difference(a, b) | {"contexts": {task: len(keys) for task, keys in shared.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.ruler_paired", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_a", help="first run directory")
+    p.add_argument("method_a", help="its method (registry name, as in its predictions/)")
+    p.add_argument("run_b", help="second run directory")
+    p.add_argument("method_b", help="its method")
+    args = p.parse_args(argv)
+    try:
+        result = compare(example_scores(args.run_a, args.method_a), example_scores(args.run_b, args.method_b))
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"error: {error}") from None
+    contexts = ", ".join(f"{task} {n}" for task, n in result["contexts"].items())
+    print(
+        f"{args.method_a} ({args.run_a}) {result['first']:.2f} - {args.method_b} ({args.run_b}) {result['second']:.2f}"
+        f" = {result['difference']:+.2f} [95% paired interval {result['low']:+.2f}, {result['high']:+.2f}];"
+        f" contexts: {contexts}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""eval.ruler_paired and kvcompress.ruler.scoring.paired_difference: the paired RULER-style comparison."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from eval import ruler_paired
+from kvcompress.ruler.scoring import paired_difference
+
+
+def test_paired_difference_against_its_definition():
+    rng = np.random.default_rng(5)
+    first = {"a": rng.uniform(0, 100, 6), "b": rng.uniform(0, 100, 9)}
+    second = {"a": rng.uniform(0, 100, 6), "b": rng.uniform(0, 100, 9)}
+    got = paired_difference(first, second, resamples=3000, seed=2)
+    assert got["first"] == pytest.approx((first["a"].mean() + first["b"].mean()) / 2)
+    assert got["difference"] == pytest.approx(got["first"] - got["second"])
+    # The interval by its definition: per task, contexts drawn with replacement (both settings the same draw).
+    draws = []
+    for index, task in enumerate(sorted(first)):
+        n = len(first[task])
+        picks = np.random.default_rng(2 + index).integers(0, n, size=(3000, n))
+        draws.append(np.array([(first[task][p] - second[task][p]).mean() for p in picks]))
+    low, high = np.percentile(np.mean(draws, axis=0), [2.5, 97.5])
+    assert (got["low"], got["high"]) == pytest.approx((low, high))
+    assert got["low"] < got["difference"] < got["high"]
+    shifted = paired_difference({t: v + 12.5 for t, v in second.items()}, second)  # the same contexts, +12.5 each
+    assert shifted["difference"] == pytest.approx(12.5) and shifted["low"] == pytest.approx(12.5)
+    assert shifted["high"] == pytest.approx(12.5)
+    with pytest.raises(ValueError, match="tasks: both settings need the same tasks"):
+        paired_difference({"a": [1.0]}, {"b": [1.0]})
+    with pytest.raises(ValueError, match="a: both settings need the same contexts"):
+        paired_difference({"a": [1.0, 2.0]}, {"a": [1.0]})
+
+
+def test_two_runs_pair_on_their_shared_contexts(tmp_path, monkeypatch):
+    class Example:
+        def __init__(self, key, expected):
+            self.key, self.expected = key, expected
+
+    contexts = {"niah_single": [Example(f"s{i}", [[str(1000 + i)]]) for i in range(4)]}
+    contexts["qa"] = [Example(f"q{i}", [["paris", "Paris, France"]]) for i in range(4)]
+    monkeypatch.setattr(ruler_paired, "load_task", lambda task, cfg: contexts[task])
+    monkeypatch.setattr(ruler_paired, "select", lambda examples, cfg: examples[: cfg.limit])
+
+    def write_run(name, limit, right):
+        run = tmp_path / name
+        (run / "predictions" / name).mkdir(parents=True)
+        settings = dict(length=1024, seed=0, tasks=["niah_single", "qa"], model=None, limit=limit)
+        (run / "run.json").write_text(json.dumps({"settings": settings}))
+        for task, examples in contexts.items():
+            rows = []
+            for i, example in enumerate(examples[:limit]):
+                answer = example.expected[0][0] if i < right else "no idea"
+                rows.append(json.dumps({"key": example.key, "prediction": [f" {answer}."]}))
+            (run / "predictions" / name / f"{task}.jsonl").write_text("\n".join(rows) + "\n")
+        return str(run)
+
+    a = ruler_paired.example_scores(write_run("compresskv", 4, right=3), "compresskv")
+    b = ruler_paired.example_scores(write_run("snapkv", 2, right=0), "snapkv")
+    assert a["niah_single"] == {"s0": 100, "s1": 100, "s2": 100, "s3": 0}
+    assert a["qa"] == {"q0": 100, "q1": 100, "q2": 100, "q3": 0}
+    result = ruler_paired.compare(a, b)  # only the 2 contexts per task both runs have
+    assert result["contexts"] == {"niah_single": 2, "qa": 2}
+    assert result["first"] == 100 and result["second"] == 0 and result["low"] == result["high"] == 100
+    with pytest.raises(ValueError, match="no predictions of 'exact'"):
+        ruler_paired.example_scores(str(tmp_path / "snapkv"), "exact")
