@@ -16,6 +16,6 @@ for n in "${@:-8192 32768 65536}"; do
         "$PYTHON" -m eval.speed --only prefill --breakdown-lengths "$length" --output "$OUT/prefill_$length.json" \
             > "$OUT/prefill_$length.log" 2>&1
         echo "n=$length: exit $?"
-        grep -A14 "breakdown per setting" "$OUT/prefill_$length.log"
+        grep -A20 "breakdown per setting" "$OUT/prefill_$length.log"
     done
 done
