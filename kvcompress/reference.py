@@ -159,8 +159,12 @@ def spread_pieces(n: int, fraction: float, span: int, device: torch.device | str
     if fraction >= 1:
         return None
     pieces = -(-n // span)
-    chosen = even_sample(pieces, max(1, round(fraction * pieces)), device)
-    positions = (chosen[:, None] * span + torch.arange(span, device=device)).reshape(-1)
+    return _piece_positions(even_sample(pieces, max(1, round(fraction * pieces)), device), span, n)
+
+
+def _piece_positions(chosen: torch.Tensor, span: int, n: int) -> torch.Tensor:
+    """The positions (< n) of pieces ``chosen`` (sorted indices) of ``span`` tokens."""
+    positions = (chosen[:, None] * span + torch.arange(span, device=chosen.device)).reshape(-1)
     return positions[positions < n]
 
 
@@ -183,9 +187,7 @@ def novel_pieces(
     n = score.shape[0]
     pieces = -(-n // span)
     score = torch.nn.functional.pad(score, (0, pieces * span - n), value=-1.0).view(pieces, span).amax(-1)
-    chosen = score.topk(max(1, round(fraction * pieces))).indices.sort().values
-    positions = (chosen[:, None] * span + torch.arange(span, device=device)).reshape(-1)
-    return positions[positions < n]
+    return _piece_positions(score.topk(max(1, round(fraction * pieces))).indices.sort().values, span, n)
 
 
 def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int, snapshot: list) -> None:

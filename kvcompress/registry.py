@@ -19,18 +19,17 @@ class Method:
     build: Callable[[float, int], Any]  # (compression_ratio, seed) -> press; None for the full cache
 
 
+# CompressKVPress's named settings (classmethods), registered as compresskv_<name>
+PRESETS = ("paper", "kvzip", "thorough", "balanced")
+
+
 def _ours(name: str) -> Callable[[float, int], Any]:
     def build(ratio: float, seed: int):
         from kvcompress import CompressKVPress, UniformPress
 
-        if name == "compresskv_paper":
-            return CompressKVPress.paper(compression_ratio=ratio, seed=seed)
-        if name == "compresskv_kvzip":
-            return CompressKVPress.kvzip(compression_ratio=ratio, seed=seed)
-        if name == "compresskv_thorough":
-            return CompressKVPress.thorough(compression_ratio=ratio, seed=seed)
-        if name == "compresskv_balanced":
-            return CompressKVPress.balanced(compression_ratio=ratio, seed=seed)
+        preset = name.removeprefix("compresskv_")
+        if preset in PRESETS:
+            return getattr(CompressKVPress, preset)(compression_ratio=ratio, seed=seed)
         if name == "compresskv_window":
             return CompressKVPress(compression_ratio=ratio, seed=seed, reference=("window",))
         cls = CompressKVPress if name == "compresskv" else UniformPress

@@ -65,12 +65,8 @@ def make_setting(name: str, cfg: Config):
         return UniformPress(compression_ratio=ratio, seed=cfg.seed)
     if name == "paper":
         return CompressKVPress.paper(ratio, seed=cfg.seed, bin_rank=cfg.bin_rank)
-    if name == "thorough":
-        return CompressKVPress.thorough(ratio, seed=cfg.seed)
-    if name == "balanced":
-        return CompressKVPress.balanced(ratio, seed=cfg.seed)
-    if name == "kvzip":
-        return CompressKVPress.kvzip(ratio, seed=cfg.seed)
+    if name in registry.PRESETS:  # CompressKVPress's named settings (paper above: with the run's bin_rank)
+        return getattr(CompressKVPress, name)(ratio, seed=cfg.seed)
     return CompressKVPress(compression_ratio=ratio, seed=cfg.seed, **SETTINGS[name])
 
 
