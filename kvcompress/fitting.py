@@ -22,6 +22,11 @@ A fit memorises its queries, so it is validated per (batch row, KV head): fitted
 queries, it must lower the attention-output error on the odd ones, and fitted on all queries it must
 lower the error on all of them; otherwise that head keeps the unfitted rows. Cost per head: O(m n (k + d))
 for the sums (m queries, n rows) and O(r k^2) for the solves (r kept rows).
+
+On a GPU every step is a batched tensor op with static shapes and no host sync: the n-long products run in
+float32, only the ``k x k`` systems and their right-hand sides in float64 (cheap at any GPU's float64 rate),
+and the systems are solved by batched triangular solves (``torch.cholesky_solve`` with several right-hand
+sides loops over the batch on some CUDA builds: one library call per bin).
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ def _sums(
     prob: torch.Tensor, kept: torch.Tensor, owner: torch.Tensor, values: torch.Tensor, bins: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normal-equation pieces of one query set: Gram ``[P, T, k, k]``, mass rhs ``[P, T, k]``, value rhs
-    ``[P, T, k, d]``, float64. ``prob [P, M, n]``; ``owner [P, n]``: bin of each position (-1: protected),
-    non-decreasing along positions; ``kept [P, T * k]`` (padded).
+    ``[P, T, k, d]``, float64 (the products behind them float32). ``prob [P, M, n]`` and ``values [P, n, d]``
+    float32; ``owner [P, n]``: bin of each position (-1: protected), non-decreasing along positions;
+    ``kept [P, T * k]`` (padded).
 
     With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
     ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``,
@@ -72,15 +78,12 @@ def _sums(
     a = prob.gather(2, kept[:, None, :].expand(-1, m, -1))  # [P, M, T * k]
     blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)  # [P, T, k, M]
     gram = (blocks @ blocks.transpose(-1, -2)).double()
-    mass = prob.new_zeros(problems, bins, k, dtype=torch.float64)
-    value_rhs = prob.new_zeros(problems, bins, k, d, dtype=torch.float64)
+    mass = prob.new_zeros(problems, bins, k)
+    value_rhs = prob.new_zeros(problems, bins, k, d)
     touched = 1 if k == 1 else 2  # bins a block of k positions can meet
     width = touched * k
     count = -(-n // k)
-    padded = count * k
-    owner = torch.nn.functional.pad(owner, (0, padded - n), value=-1)
-    prob = torch.nn.functional.pad(prob, (0, padded - n))
-    values = torch.nn.functional.pad(values, (0, 0, 0, padded - n))
+    owner = torch.nn.functional.pad(owner, (0, count * k - n), value=-1)
     a_rows = a.transpose(1, 2)  # [P, T * k, M]
     # First bin of each block (protected-only blocks: clamped, their c is zeroed below).
     owner_blocks = owner.reshape(problems, count, k)
@@ -94,17 +97,21 @@ def _sums(
         lows = low[:, first:last]  # [P, c]
         index = (lows[..., None] * k + columns).clamp_max(bins * k - 1).reshape(problems, -1)
         near = a_rows.gather(1, index[..., None].expand(-1, -1, m)).reshape(problems, chunk, width, m)
-        span = slice(first * k, last * k)
-        block_prob = prob[:, :, span].reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
+        tail = last * k - min(n, last * k)  # zero positions after the last one (last chunk only)
+        chunk_prob, chunk_values = prob[:, :, first * k : last * k], values[:, first * k : last * k]
+        if tail:
+            chunk_prob = torch.nn.functional.pad(chunk_prob, (0, tail))
+            chunk_values = torch.nn.functional.pad(chunk_values, (0, 0, 0, tail))
+        block_prob = chunk_prob.reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
         c_all = block_prob @ near.transpose(-1, -2)  # [P, c, k(positions), width]
-        owners = owner[:, span].reshape(problems, chunk, k)
+        owners = owner[:, first * k : last * k].reshape(problems, chunk, k)
         nearby = (owners - lows[..., None]).clamp(0, touched - 1)  # each position's bin among the block's
         local = (nearby * k)[..., None] + slots
-        c = (c_all.gather(3, local) * (owners >= 0)[..., None]).double()  # [P, c, k(positions), k]
+        c = c_all.gather(3, local) * (owners >= 0)[..., None]  # [P, c, k(positions), k]
         # Per block and nearby bin: sum over its positions of c (mass) and of c v (values), one small product.
-        split = torch.nn.functional.one_hot(nearby, touched).double()[..., None] * c[..., None, :]  # [P,c,k,u,k]
+        split = torch.nn.functional.one_hot(nearby, touched).to(c.dtype)[..., None] * c[..., None, :]  # [P,c,k,u,k]
         block_mass = split.sum(2).reshape(problems, chunk * touched, k)
-        block_values = split.reshape(problems, chunk, k, width).transpose(-1, -2) @ values[:, span].reshape(
+        block_values = split.reshape(problems, chunk, k, width).transpose(-1, -2) @ chunk_values.reshape(
             problems, chunk, k, d
         )  # [P, c, u * k, d]
         target = (lows[..., None] + columns[:touched]).clamp_max(bins - 1).reshape(problems, chunk * touched)
@@ -112,7 +119,7 @@ def _sums(
         value_rhs.scatter_add_(
             1, target[..., None, None].expand(-1, -1, k, d), block_values.reshape(problems, chunk * touched, k, d)
         )
-    return gram, mass, value_rhs
+    return gram, mass.double(), value_rhs.double()
 
 
 def _solve(
@@ -125,8 +132,8 @@ def _solve(
     fit_values: bool,
     max_log_weight: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ridge solve toward ``w = 1``, ``V_S = w v``; padded slots stay at the prior. Returns ``[P, T, k]``,
-    ``[P, T, k, d]``."""
+    """Ridge solve toward ``w = 1``, ``V_S = w v`` in float64; padded slots stay at the prior. Returns
+    ``[P, T, k]``, ``[P, T, k, d]``."""
     k = gram.shape[-1]
     diag = gram.diagonal(dim1=-2, dim2=-1)
     scale = diag.mean(dim=(-1, -2), keepdim=True).clamp_min(1e-300)[..., None]  # per problem
@@ -135,38 +142,42 @@ def _solve(
     # No error check (a device sync): the system is SPD (ridge > 0); a factor that failed anyway gives a fit the
     # held-out error checks judge like any other (NaN never passes them: that head keeps its unfitted rows).
     factor = torch.linalg.cholesky_ex(system).L
+
+    def solve(rhs: torch.Tensor) -> torch.Tensor:  # L L^T x = rhs: two batched triangular solves
+        lower = torch.linalg.solve_triangular(factor, rhs, upper=False)
+        return torch.linalg.solve_triangular(factor.mT, lower, upper=True)
+
     prior = ridge * scale[..., 0]
-    weights = torch.cholesky_solve((mass + prior)[..., None], factor)[..., 0]
+    weights = solve((mass + prior)[..., None])[..., 0]
     weights = torch.where(pad, torch.ones_like(weights), weights).clamp(
         math.exp(-max_log_weight), math.exp(max_log_weight)
     )
     values = prior_values * weights[..., None]
     if fit_values:
-        values = torch.cholesky_solve(value_rhs + prior[..., None] * values, factor)
+        values = solve(value_rhs + prior[..., None] * values)
         values = torch.where(pad[..., None], prior_values, values)
     return weights, values
 
 
 class _QuerySet:
-    """One set of reference queries, precomputed to score candidate fits: exact outputs and the protected
-    rows' parts of weighted attention (float64)."""
+    """One set of reference queries, precomputed to score candidate fits (float32): exact outputs and the
+    protected rows' parts of weighted attention."""
 
-    def __init__(self, prob: torch.Tensor, kept: torch.Tensor, protected: torch.Tensor, values: torch.Tensor):
-        problems, m, n = prob.shape
-        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, m, -1)).double()  # [P, M, r]
-        d = values.shape[-1]
-        inside = protected.to(values.device, values.dtype)[None, :, None]
-        # One float32 product for the exact output and the protected rows' numerator and denominator (its
-        # rounding, ~1e-7 of each output, is far below the errors these checks compare), then float64.
-        rhs = torch.cat([values, values * inside, inside.expand(problems, -1, 1)], -1).to(prob.dtype)
-        parts = (prob @ rhs).double()
-        self.exact, self.numerator, self.denominator = parts[..., :d], parts[..., d : 2 * d], parts[..., -1]
+    def __init__(self, prob: torch.Tensor, kept: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor):
+        m = prob.shape[1]
+        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, m, -1))  # [P, M, r]
+        self.exact = prob @ values  # [P, M, d]
+        guarded = prob.index_select(2, protected_rows)  # [P, M, p]: the few sink and window rows
+        self.numerator = guarded @ values.index_select(1, protected_rows)
+        self.denominator = guarded.sum(-1)
 
     def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
-        """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention."""
-        numerator = self.numerator + self.kept_prob @ kept_values
-        denominator = self.denominator + (self.kept_prob @ weights[..., None])[..., 0]
-        out = numerator / denominator.clamp_min(1e-300)[..., None]
+        """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention;
+        ``weights [P, r]``, ``kept_values [P, r, d]`` float32."""
+        kept = self.kept_prob @ torch.cat([kept_values, weights[..., None]], -1)  # one product: [P, M, d + 1]
+        numerator = self.numerator + kept[..., :-1]
+        denominator = self.denominator + kept[..., -1]
+        out = numerator / denominator.clamp_min(torch.finfo(denominator.dtype).tiny)[..., None]
         return ((out - self.exact) ** 2).sum(dim=(1, 2))
 
 
@@ -186,15 +197,16 @@ def fit_kept_rows(
 ) -> FitResult:
     """Fit the kept rows of a context to reference queries (module docstring).
 
-    Probabilities and their products (including the checks' exact outputs) run in float32; the sums, solves
-    and error checks in float64.
+    Probabilities, their products and the error checks run in float32; the ``k x k`` systems are solved in
+    float64.
 
     keys ``[b, h_kv, n, d]``, values ``[b, h_kv, n, d_v]``: the whole context. kept ``[b, h_kv, r]`` int64,
-    sorted positions of the kept non-protected rows. protected ``[n]`` bool: rows kept exact and
-    outside the fit. queries ``[b, h_q, m, d]`` (post-RoPE, ``h_q`` a multiple of ``h_kv``; every query
-    head of a group is a reference query of its KV head); ``query_positions`` ``[m]`` as in
-    :func:`kvcompress.selection.attention_mass`. ``fit_values=False`` fits only the mass and scales the
-    kept values with it (``V_S = w v``). Needs at least 2 queries per KV head (the validation split).
+    sorted positions of the kept non-protected rows. protected ``[n]`` bool: rows kept exact and outside the
+    fit (pass it on the CPU: its row list is then read without a device sync). queries ``[b, h_q, m, d]``
+    (post-RoPE, ``h_q`` a multiple of ``h_kv``; every query head of a group is a reference query of its KV
+    head); ``query_positions`` ``[m]`` as in :func:`kvcompress.selection.attention_mass`. ``fit_values=False``
+    fits only the mass and scales the kept values with it (``V_S = w v``). Needs at least 2 queries per KV
+    head (the validation split).
     """
     batch, heads_kv, n, dim = keys.shape
     r, d_v = kept.shape[-1], values.shape[-1]
@@ -202,7 +214,7 @@ def fit_kept_rows(
     group = heads_q // heads_kv
     problems = batch * heads_kv
     flat_keys = keys.reshape(problems, n, dim)
-    flat_values = values.reshape(problems, n, d_v).double()
+    flat_values = values.reshape(problems, n, d_v).float()
     flat_kept = kept.reshape(problems, r)
     grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
     positions = None if query_positions is None else query_positions.to(keys.device).repeat(group)
@@ -215,7 +227,9 @@ def fit_kept_rows(
     at_or_before = torch.searchsorted(
         flat_kept, torch.arange(n, device=keys.device).expand(problems, n).contiguous(), right=True
     )
+    protected = protected.cpu()
     owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(protected[None, :].to(keys.device), -1)
+    protected_rows = protected.nonzero()[:, 0].to(keys.device)
 
     sums, checks = [], []
     for start in (0, 1):  # fit on the even queries, validate on the odd ones; one half's probabilities at a time
@@ -223,22 +237,23 @@ def fit_kept_rows(
             grouped[:, start::2], flat_keys, scaling, None if positions is None else positions[start::2]
         )
         sums.append(_sums(half, padded, owner, flat_values, bins, k))
-        checks.append(_QuerySet(half, flat_kept, protected, flat_values))
+        checks.append(_QuerySet(half, flat_kept, protected_rows, flat_values))
         del half
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
     solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 
-    def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return w.reshape(problems, bins * k)[:, :r], v.reshape(problems, bins * k, d_v)[:, :r]
+    def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # float32, unpadded
+        return w.reshape(problems, bins * k)[:, :r].float(), v.reshape(problems, bins * k, d_v)[:, :r].float()
 
-    ones, unfitted = flat(torch.ones(problems, bins, k, dtype=torch.float64, device=keys.device), prior_values)
+    ones, unfitted = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
     plain = [check.error(ones, unfitted) for check in checks]
+    prior_values = prior_values.double()
     held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
     better_held_out = checks[1].error(held_w, held_v) < plain[1]
     fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
     better_in_sample = checks[0].error(fit_w, fit_v) + checks[1].error(fit_w, fit_v) < plain[0] + plain[1]
     accepted = better_held_out & better_in_sample
-    weights = torch.where(accepted[:, None], fit_w, ones).float()
+    weights = torch.where(accepted[:, None], fit_w, ones)
     kept_values = torch.where(accepted[:, None, None], fit_v, unfitted).to(values.dtype)
     return FitResult(
         weights=weights.reshape(batch, heads_kv, r),

@@ -74,7 +74,7 @@ def compress_by_attention(
         weights = torch.ones(kept.shape, dtype=torch.float32, device=keys.device)
         return kept_keys, _gather_rows(values, kept), weights
     n = keys.shape[-2]
-    position = torch.arange(n, device=keys.device)
+    position = torch.arange(n)  # on the CPU: the fit reads its protected rows without a device sync
     protected = (position < start) | (position >= end)
     queries, positions = reference.fit_queries()
     result = fit_kept_rows(keys, values, kept, protected, queries, module.scaling, query_positions=positions, **fit)

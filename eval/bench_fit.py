@@ -1,0 +1,164 @@
+"""The fit of kept rows (``kvcompress.fitting.fit_kept_rows``) alone: seconds per layer, and where they go.
+
+One call fits one layer of a compressed context: ``kept`` of a context's middle rows against ``m`` reference
+queries per query head (the default press: the 64 window queries; ``balanced()`` and ``thorough()``: 64 + 256
+repeat queries). Default shape: Qwen2.5-7B-Instruct's attention (28 query heads, 4 KV heads, head dim 128),
+bf16, batch 1, contexts 8k and 32k at 25% kept, the default's 4 sink and 64 window rows protected. Keys carry a
+per-head mean offset, as real keys do. Each row: median and min over ``--repeats`` calls after ``--warmup``,
+device-synchronised host clock, and that median times ``--layers`` (the fit's share of one prefill).
+``--profile`` prints the top operators of one more call (device time on CUDA, CPU time otherwise): where the
+time goes. On CPU the seconds are this machine's; ratios within one run are the figures to compare.
+
+Run from the repository root: ``python -m eval.bench_fit [--device cuda] [--profile] [--output results/...json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from kvcompress.fitting import fit_kept_rows
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SINK, WINDOW = 4, 64  # the default press's protected rows
+
+
+def make_case(
+    context: int, kept: float, m: int, heads_q: int, heads_kv: int, dim: int, dtype, device, seed: int = 0
+) -> dict[str, Any]:
+    """Arguments of one ``fit_kept_rows`` call: a random context, a sorted random subset of its middle, and
+    ``m`` queries per query head at the window's positions (the last ``m``, or the window plus positions spread
+    over the rest when ``m`` exceeds it, as repeat-pass samples are)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    keys = randn(1, heads_kv, context, dim) + 2 * randn(1, heads_kv, 1, dim)
+    middle = context - SINK - WINDOW
+    rows = max(1, int(kept * context) - SINK - WINDOW)
+    kept_rows = torch.stack([torch.randperm(middle, generator=gen)[:rows].sort().values for _ in range(heads_kv)])
+    window = torch.arange(context - min(m, WINDOW), context)
+    spread = torch.linspace(0, context - WINDOW - 1, max(0, m - WINDOW)).long()
+    position = torch.arange(context)
+    return dict(
+        keys=keys.to(device, dtype),
+        values=randn(1, heads_kv, context, dim).to(device, dtype),
+        kept=(kept_rows[None] + SINK).to(device),
+        protected=(position < SINK) | (position >= context - WINDOW),  # on the CPU, as the press passes it
+        queries=(1.5 * randn(1, heads_q, m, dim)).to(device, dtype),
+        scaling=dim**-0.5,
+        query_positions=torch.cat([spread, window]).to(device),
+    )
+
+
+def _call(case: dict[str, Any]):
+    return fit_kept_rows(
+        case["keys"], case["values"], case["kept"], case["protected"], case["queries"], case["scaling"],
+        query_positions=case["query_positions"],
+    )  # fmt: skip
+
+
+def time_case(case: dict[str, Any], warmup: int, repeats: int, device: torch.device) -> tuple[list[float], float]:
+    """Seconds of ``repeats`` calls (each synchronised) and the fraction of heads whose fit was accepted."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        _call(case)
+    seconds = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        result = _call(case)
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return seconds, float(result.accepted.float().mean())
+
+
+def profile_case(case: dict[str, Any], device: torch.device, rows: int = 15) -> str:
+    """The top operators of one call by self device time (CUDA) or self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        _call(case)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=rows, max_shapes_column_width=80)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eval.bench_fit", description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768], help="context tokens (default 8k 32k)")
+    p.add_argument("--queries", type=int, nargs="+", default=[64, 320], help="reference queries per query head")
+    p.add_argument("--kept", type=float, default=0.25, help="kept fraction of each context, in (0, 1] (default 0.25)")
+    p.add_argument("--heads", type=int, nargs=2, default=[28, 4], metavar=("Q", "KV"), help="query and KV heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=28, help="layers of the model the per-layer median is scaled to")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--profile", action="store_true", help="print the top operators of the last row's case")
+    p.add_argument("--output", default=None, help="JSON file for the rows and the environment")
+    args = p.parse_args(argv)
+    if not 0 < args.kept <= 1:
+        p.error(f"--kept: must be in (0, 1], got {args.kept}")
+    if args.heads[0] % args.heads[1]:
+        p.error(f"--heads: query heads must be a multiple of KV heads, got {args.heads}")
+    for name in ("contexts", "queries"):
+        low = SINK + WINDOW + 16 if name == "contexts" else 2
+        if min(getattr(args, name)) < low:
+            p.error(f"--{name}: every value must be >= {low}, got {getattr(args, name)}")
+    for name in ("head_dim", "layers", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rows, case = [], None
+    print(f"{'context':>8} {'queries':>7} {'kept rows':>9} {'median ms':>10} {'min ms':>8} {'x layers s':>10} accepted")
+    for context in args.contexts:
+        for m in args.queries:
+            case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
+            seconds, accepted = time_case(case, args.warmup, args.repeats, device)
+            median = statistics.median(seconds)
+            row = dict(
+                context=context, queries=m, kept_rows=int(case["kept"].shape[-1]), median_ms=1e3 * median,
+                min_ms=1e3 * min(seconds), model_s=median * args.layers, accepted=accepted, samples=len(seconds),
+            )  # fmt: skip
+            rows.append(row)
+            print(
+                f"{context:>8} {m:>7} {row['kept_rows']:>9} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} "
+                f"{row['model_s']:>10.3f} {accepted:.2f}"
+            )
+    if args.profile and case is not None:
+        print(profile_case(case, device))
+    if args.output:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+        environment = dict(
+            device=str(device), name=name, torch=torch.__version__, python=platform.python_version(),
+            threads=torch.get_num_threads(),
+        )  # fmt: skip
+        payload = dict(rows=rows, settings=vars(args), environment=environment, command=" ".join(sys.argv))
+        with open(args.output, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

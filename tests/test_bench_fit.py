@@ -1,0 +1,52 @@
+"""eval/bench_fit.py at tiny sizes on CPU: every row is timed and reported in the table and the JSON, the
+profile prints, bad arguments exit with a message naming the flag. A smoke test, not a measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval import bench_fit as bench
+
+TINY = [
+    "--device", "cpu", "--dtype", "fp32", "--contexts", "400", "--queries", "8", "70", "--heads", "4", "2",
+    "--head-dim", "16", "--warmup", "0", "--repeats", "2", "--layers", "3",
+]  # fmt: skip
+
+
+def test_smoke_run_reports_every_row_and_the_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    output = tmp_path / "fit.json"
+    assert bench.main([*TINY, "--profile", "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    assert "median ms" in printed and "aten::" in printed and f"wrote {output}" in printed
+    data = json.loads(output.read_text())
+    assert [(r["context"], r["queries"]) for r in data["rows"]] == [(400, 8), (400, 70)]
+    for row in data["rows"]:
+        assert row["kept_rows"] == 100 - 68 and row["samples"] == 2
+        assert 0 < row["min_ms"] <= row["median_ms"] and row["model_s"] == pytest.approx(3 * row["median_ms"] / 1e3)
+        assert 0 <= row["accepted"] <= 1
+    assert data["environment"]["device"] == "cpu" and data["settings"]["heads"] == [4, 2]
+
+
+def test_cases_follow_the_press_conventions() -> None:
+    import torch
+
+    case = bench.make_case(1000, 0.25, 100, 4, 2, 16, torch.float32, torch.device("cpu"))
+    kept, positions, protected = case["kept"], case["query_positions"], case["protected"]
+    assert kept.shape == (1, 2, 250 - 68) and (kept.diff(dim=-1) > 0).all()
+    assert not protected[kept].any() and protected.sum() == 4 + 64 and protected.device.type == "cpu"
+    assert positions.shape == (100,) and (positions.diff() >= 0).all()
+    assert positions[-64:].tolist() == list(range(936, 1000))  # the window's queries, the rest spread before
+
+
+@pytest.mark.parametrize(
+    "bad, flag",
+    [(["--kept", "0"], "--kept"), (["--heads", "6", "4"], "--heads"), (["--contexts", "50"], "--contexts"),
+     (["--queries", "1"], "--queries"), (["--repeats", "0"], "--repeats")],
+)  # fmt: skip
+def test_bad_arguments_exit_with_a_message(bad: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main([*TINY, *bad])
+    assert flag in capsys.readouterr().err
