@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             device=str(device), name=name, torch=torch.__version__, python=platform.python_version(),
             threads=torch.get_num_threads(),
         )  # fmt: skip
-        payload = dict(rows=rows, settings=vars(args), environment=environment, command=" ".join(sys.argv))
+        command = " ".join(["python -m eval.bench_fit", *(sys.argv[1:] if argv is None else argv)])
+        payload = dict(rows=rows, settings=vars(args), environment=environment, command=command)
         with open(args.output, "w") as f:
             json.dump(payload, f, indent=2)
         print(f"wrote {args.output}")
