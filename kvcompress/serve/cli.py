@@ -27,10 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--method", default="compresskv",
                    help="a press of the method registry, or exact (default compresskv: about a plain prefill's "
-                        "cost; compresskv_thorough re-reads each context once more (4.4x the prefill on CPU) and "
+                        "cost; compresskv_thorough re-reads each context once more (4.1x the prefill on CPU) and "
                         "keeps more of what later questions and continuations need: choose it when contexts are "
                         "stored and asked many questions; compresskv_balanced re-reads only the most novel quarter "
-                        "(2.7x on CPU) and keeps most of the facts, not the continuation; with compresskv, "
+                        "(2.3x on CPU) and keeps most of the facts, not the continuation; with compresskv, "
                         "--press-option novelty_share=0.75 "
                         "answers more questions and keeps less of the continuation)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
