@@ -5,7 +5,8 @@ queries per query head (the default press: the 64 window queries; ``balanced()``
 repeat queries). Default shape: Qwen2.5-7B-Instruct's attention (28 query heads, 4 KV heads, head dim 128),
 bf16, batch 1, contexts 8k and 32k at 25% kept, the default's 4 sink and 64 window rows protected. Keys carry a
 per-head mean offset, as real keys do. Each row: median and min over ``--repeats`` calls after ``--warmup``,
-device-synchronised host clock, and that median times ``--layers`` (the fit's share of one prefill).
+device-synchronised host clock, and that median times ``--layers`` (the fit's share of one prefill); on CUDA
+also the peak memory one call allocates above its inputs.
 ``--profile`` prints the top operators of one more call (device time on CUDA, CPU time otherwise): where the
 time goes. On CPU the seconds are this machine's; ratios within one run are the figures to compare.
 
@@ -66,9 +67,20 @@ def _call(case: dict[str, Any]):
     )  # fmt: skip
 
 
-def time_case(case: dict[str, Any], warmup: int, repeats: int, device: torch.device) -> tuple[list[float], float]:
-    """Seconds of ``repeats`` calls (each synchronised) and the fraction of heads whose fit was accepted."""
+def time_case(
+    case: dict[str, Any], warmup: int, repeats: int, device: torch.device
+) -> tuple[list[float], float, float | None]:
+    """Seconds of ``repeats`` calls (each synchronised), the fraction of heads whose fit was accepted, and on CUDA
+    the peak memory one call allocates above its inputs (MiB; None on CPU)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    peak = None
+    if device.type == "cuda":
+        sync()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _call(case)
+        sync()
+        peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     for _ in range(warmup):
         _call(case)
     seconds = []
@@ -78,7 +90,7 @@ def time_case(case: dict[str, Any], warmup: int, repeats: int, device: torch.dev
         result = _call(case)
         sync()
         seconds.append(time.perf_counter() - start)
-    return seconds, float(result.accepted.float().mean())
+    return seconds, float(result.accepted.float().mean()), peak
 
 
 def profile_case(case: dict[str, Any], device: torch.device, rows: int = 15) -> str:
@@ -130,20 +142,24 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows, case = [], None
-    print(f"{'context':>8} {'queries':>7} {'kept rows':>9} {'median ms':>10} {'min ms':>8} {'x layers s':>10} accepted")
+    print(
+        f"{'context':>8} {'queries':>7} {'kept rows':>9} {'median ms':>10} {'min ms':>8} {'x layers s':>10} "
+        f"{'peak MiB':>8} accepted"
+    )
     for context in args.contexts:
         for m in args.queries:
             case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
-            seconds, accepted = time_case(case, args.warmup, args.repeats, device)
+            seconds, accepted, peak = time_case(case, args.warmup, args.repeats, device)
             median = statistics.median(seconds)
             row = dict(
                 context=context, queries=m, kept_rows=int(case["kept"].shape[-1]), median_ms=1e3 * median,
                 min_ms=1e3 * min(seconds), model_s=median * args.layers, accepted=accepted, samples=len(seconds),
+                peak_mib=peak,
             )  # fmt: skip
             rows.append(row)
             print(
                 f"{context:>8} {m:>7} {row['kept_rows']:>9} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} "
-                f"{row['model_s']:>10.3f} {accepted:.2f}"
+                f"{row['model_s']:>10.3f} {'-' if peak is None else f'{peak:.0f}':>8} {accepted:.2f}"
             )
     if args.profile and case is not None:
         print(profile_case(case, device))

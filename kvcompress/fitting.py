@@ -36,9 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.selection import causal_softmax
-
 _CHUNK_ELEMENTS = 1 << 25
+_QUERY_CHUNK_ELEMENTS = 1 << 25  # probabilities held at once: [P, queries, n] float32, 128 MiB
 
 
 @dataclass
@@ -54,8 +53,13 @@ class FitResult:
 def _probabilities(
     queries: torch.Tensor, keys: torch.Tensor, scaling: float, positions: torch.Tensor | None
 ) -> torch.Tensor:
-    """Softmax over all n keys: queries ``[P, M, d]``, keys ``[P, n, d]`` -> ``[P, M, n]`` float32."""
-    return causal_softmax((queries.float() @ keys.float().transpose(-1, -2)) * scaling, positions)
+    """Softmax over all n keys (query i sees key j only if ``j <= positions[i]``), in the one logits buffer:
+    queries ``[P, M, d]``, keys ``[P, n, d]`` float32 -> ``[P, M, n]`` float32."""
+    prob = (queries.float() @ keys.transpose(-1, -2)).mul_(scaling)
+    if positions is not None:
+        prob.masked_fill_(torch.arange(prob.shape[-1], device=prob.device) > positions[:, None], -math.inf)
+    prob.sub_(prob.amax(-1, keepdim=True)).exp_()  # every query sees key 0: no row is all -inf
+    return prob.div_(prob.sum(-1, keepdim=True))
 
 
 def _sums(
@@ -161,15 +165,31 @@ def _solve(
 
 class _QuerySet:
     """One set of reference queries, precomputed to score candidate fits (float32): exact outputs and the
-    protected rows' parts of weighted attention."""
+    protected rows' parts of weighted attention, gathered from chunks of the queries (:meth:`add`)."""
 
-    def __init__(self, prob: torch.Tensor, kept: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor):
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, prob: torch.Tensor, kept: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor) -> None:
+        """The parts of the queries of ``prob [P, M, n]``: the kept rows' probabilities ``[P, M, r]``, the exact
+        outputs ``[P, M, d]`` and the protected rows' numerators and denominators (the few sink and window rows)."""
         m = prob.shape[1]
-        self.kept_prob = prob.gather(2, kept[:, None, :].expand(-1, m, -1))  # [P, M, r]
-        self.exact = prob @ values  # [P, M, d]
-        guarded = prob.index_select(2, protected_rows)  # [P, M, p]: the few sink and window rows
-        self.numerator = guarded @ values.index_select(1, protected_rows)
-        self.denominator = guarded.sum(-1)
+        guarded = prob.index_select(2, protected_rows)  # [P, M, p]
+        self.parts.append(
+            (
+                prob.gather(2, kept[:, None, :].expand(-1, m, -1)),
+                prob @ values,
+                guarded @ values.index_select(1, protected_rows),
+                guarded.sum(-1),
+            )
+        )
+
+    def close(self) -> _QuerySet:
+        self.kept_prob, self.exact, self.numerator, self.denominator = (
+            torch.cat(x, 1) for x in zip(*self.parts, strict=True)
+        )
+        del self.parts
+        return self
 
     def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
         """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention;
@@ -213,7 +233,7 @@ def fit_kept_rows(
     heads_q, m = queries.shape[1], queries.shape[2]
     group = heads_q // heads_kv
     problems = batch * heads_kv
-    flat_keys = keys.reshape(problems, n, dim)
+    flat_keys = keys.reshape(problems, n, dim).float()  # once, not per chunk of queries
     flat_values = values.reshape(problems, n, d_v).float()
     flat_kept = kept.reshape(problems, r)
     grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
@@ -231,14 +251,27 @@ def fit_kept_rows(
     owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(protected[None, :].to(keys.device), -1)
     protected_rows = protected.nonzero()[:, 0].to(keys.device)
 
+    # Fit on the even queries, validate on the odd ones. Every sum is over queries: the probabilities are held a
+    # chunk of queries at a time (peak memory bounded whatever the query count), the sums added up in float64.
+    step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
     sums, checks = [], []
-    for start in (0, 1):  # fit on the even queries, validate on the odd ones; one half's probabilities at a time
-        half = _probabilities(
-            grouped[:, start::2], flat_keys, scaling, None if positions is None else positions[start::2]
-        )
-        sums.append(_sums(half, padded, owner, flat_values, bins, k))
-        checks.append(_QuerySet(half, flat_kept, protected_rows, flat_values))
-        del half
+    for start in (0, 1):
+        half = grouped[:, start::2]
+        half_positions = None if positions is None else positions[start::2]
+        total, check = None, _QuerySet()
+        for first in range(0, half.shape[1], step):
+            prob = _probabilities(
+                half[:, first : first + step],
+                flat_keys,
+                scaling,
+                None if half_positions is None else half_positions[first : first + step],
+            )
+            part = _sums(prob, padded, owner, flat_values, bins, k)
+            total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
+            check.add(prob, flat_kept, protected_rows, flat_values)
+            del prob
+        sums.append(total)
+        checks.append(check.close())
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
     solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 

@@ -126,15 +126,6 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
     return 1.0 - (F.normalize(keys, dim=-1) * anchor).sum(-1)
 
 
-def causal_softmax(logits: torch.Tensor, query_positions: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last dim of ``logits [..., m, n]``; with ``query_positions [m]``, query i sees key j
-    only if ``j <= query_positions[i]``."""
-    if query_positions is not None:
-        key_index = torch.arange(logits.shape[-1], device=logits.device)
-        logits = logits.masked_fill(key_index[None, :] > query_positions[:, None].to(logits.device), -math.inf)
-    return torch.softmax(logits, dim=-1)
-
-
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Average-pool ``[..., n]`` scores over neighbouring keys (SnapKV's smoothing); odd ``kernel_size``."""
     if kernel_size <= 1:

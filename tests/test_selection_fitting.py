@@ -193,3 +193,31 @@ def test_fit_is_batched_over_heads_and_position_blocks(monkeypatch):
     assert torch.equal(blocked.accepted, batched.accepted)
     torch.testing.assert_close(blocked.weights, batched.weights, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(blocked.values, batched.values, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_holds_the_probabilities_a_chunk_of_queries_at_a_time(monkeypatch):
+    """The sums and checks are over queries: cutting the queries into chunks (the last one partial) bounds the
+    probabilities held at once and changes only rounding."""
+    from kvcompress import fitting
+
+    g = _generator(11)
+    keys, values = torch.randn(1, 2, 160, 16, generator=g) * 1.5, torch.randn(1, 2, 160, 16, generator=g)
+    queries = torch.randn(1, 6, 23, 16, generator=g) * 1.5  # 3 x 23 = 69 queries per KV head: halves of 35 and 34
+    protected = (torch.arange(160) < 4) | (torch.arange(160) >= 140)
+    kept = top_rows(torch.rand(1, 2, 160, generator=g).masked_fill(protected, -1), 40)
+    positions = torch.arange(137, 160)
+    whole = fit_kept_rows(keys, values, kept, protected, queries, 0.25, query_positions=positions, bin_rows=8)
+    held = []
+    probabilities = fitting._probabilities
+
+    def recording(queries, *args):
+        held.append(queries.shape[1])
+        return probabilities(queries, *args)
+
+    monkeypatch.setattr(fitting, "_probabilities", recording)
+    monkeypatch.setattr(fitting, "_QUERY_CHUNK_ELEMENTS", 2 * 160 * 8)  # 8 queries of 2 problems x 160 keys
+    chunked = fit_kept_rows(keys, values, kept, protected, queries, 0.25, query_positions=positions, bin_rows=8)
+    assert held == [8, 8, 8, 8, 3, 8, 8, 8, 8, 2]
+    assert whole.accepted.any() and torch.equal(chunked.accepted, whole.accepted)
+    torch.testing.assert_close(chunked.weights, whole.weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.values, whole.values, rtol=1e-5, atol=1e-6)
