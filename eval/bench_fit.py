@@ -5,8 +5,9 @@ queries per query head (the default press: the 64 window queries; ``balanced()``
 repeat queries). Default shape: Qwen2.5-7B-Instruct's attention (28 query heads, 4 KV heads, head dim 128),
 bf16, batch 1, contexts 8k and 32k at 25% kept, the default's 4 sink and 64 window rows protected. Keys carry a
 per-head mean offset, as real keys do. Each row: median and min over ``--repeats`` calls after ``--warmup``,
-device-synchronised host clock, and that median times ``--layers`` (the fit's share of one prefill); on CUDA
-also the peak memory one call allocates above its inputs.
+device-synchronised host clock, and that median times ``--layers`` (the fit's share of one prefill); the peak
+memory one call allocates above its inputs (CUDA: the allocator's peak; CPU: the process's peak resident memory,
+reset before the call, on Linux).
 ``--profile`` prints the top operators of one more call (device time on CUDA, CPU time otherwise): where the
 time goes. On CPU the seconds are this machine's; ratios within one run are the figures to compare.
 
@@ -71,7 +72,7 @@ def time_case(
     case: dict[str, Any], warmup: int, repeats: int, device: torch.device
 ) -> tuple[list[float], float, float | None]:
     """Seconds of ``repeats`` calls (each synchronised), the fraction of heads whose fit was accepted, and on CUDA
-    the peak memory one call allocates above its inputs (MiB; None on CPU)."""
+    the CUDA allocator's peak during one call above its inputs (MiB; None on CPU: :func:`cpu_peak_mib`)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     peak = None
     if device.type == "cuda":
@@ -91,6 +92,25 @@ def time_case(
         sync()
         seconds.append(time.perf_counter() - start)
     return seconds, float(result.accepted.float().mean()), peak
+
+
+def _resident_mib(field: str) -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field)) / 2**10
+
+
+def cpu_peak_mib(case: dict[str, Any]) -> float | None:
+    """Peak resident memory (MiB) of one call above what the process held before it, on Linux: the high-water mark
+    is reset first (``/proc/self/clear_refs``), then read (``VmHWM``); memory the process freed earlier and reuses
+    is not counted, so a lower bound. None where /proc does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        before = _resident_mib("VmRSS")
+    except OSError:
+        return None
+    _call(case)
+    return _resident_mib("VmHWM") - before
 
 
 def profile_case(case: dict[str, Any], device: torch.device, rows: int = 15) -> str:
@@ -149,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for m in args.queries:
             case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
+            cpu_peak = cpu_peak_mib(case) if device.type == "cpu" else None  # first call: least freed memory reused
             seconds, accepted, peak = time_case(case, args.warmup, args.repeats, device)
+            peak = cpu_peak if peak is None else peak
             median = statistics.median(seconds)
             row = dict(
                 context=context, queries=m, kept_rows=int(case["kept"].shape[-1]), median_ms=1e3 * median,

@@ -26,7 +26,8 @@ def test_smoke_run_reports_every_row_and_the_profile(tmp_path: Path, capsys: pyt
     for row in data["rows"]:
         assert row["kept_rows"] == 100 - 68 and row["samples"] == 2
         assert 0 < row["min_ms"] <= row["median_ms"] and row["model_s"] == pytest.approx(3 * row["median_ms"] / 1e3)
-        assert 0 <= row["accepted"] <= 1 and row["peak_mib"] is None  # measured on CUDA only
+        assert 0 <= row["accepted"] <= 1
+        assert row["peak_mib"] >= 0 if Path("/proc/self/clear_refs").exists() else row["peak_mib"] is None
     assert data["environment"]["device"] == "cpu" and data["settings"]["heads"] == [4, 2]
 
 
