@@ -68,20 +68,9 @@ def _call(case: dict[str, Any]):
     )  # fmt: skip
 
 
-def time_case(
-    case: dict[str, Any], warmup: int, repeats: int, device: torch.device
-) -> tuple[list[float], float, float | None]:
-    """Seconds of ``repeats`` calls (each synchronised), the fraction of heads whose fit was accepted, and on CUDA
-    the CUDA allocator's peak during one call above its inputs (MiB; None on CPU: :func:`cpu_peak_mib`)."""
+def time_case(case: dict[str, Any], warmup: int, repeats: int, device: torch.device) -> tuple[list[float], float]:
+    """Seconds of ``repeats`` calls (each synchronised) and the fraction of heads whose fit was accepted."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    peak = None
-    if device.type == "cuda":
-        sync()
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        _call(case)
-        sync()
-        peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     for _ in range(warmup):
         _call(case)
     seconds = []
@@ -91,7 +80,7 @@ def time_case(
         result = _call(case)
         sync()
         seconds.append(time.perf_counter() - start)
-    return seconds, float(result.accepted.float().mean()), peak
+    return seconds, float(result.accepted.float().mean())
 
 
 def _resident_mib(field: str) -> float:
@@ -99,10 +88,17 @@ def _resident_mib(field: str) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith(field)) / 2**10
 
 
-def cpu_peak_mib(case: dict[str, Any]) -> float | None:
-    """Peak resident memory (MiB) of one call above what the process held before it, on Linux: the high-water mark
-    is reset first (``/proc/self/clear_refs``), then read (``VmHWM``); memory the process freed earlier and reuses
-    is not counted, so a lower bound. None where /proc does not allow it."""
+def peak_mib(case: dict[str, Any], device: torch.device) -> float | None:
+    """Peak memory (MiB) of one call above what was held before it. CUDA: the allocator's peak. CPU, on Linux: the
+    resident high-water mark, reset first (``/proc/self/clear_refs``), then read (``VmHWM``); memory the process
+    freed earlier and reuses is not counted, so a lower bound. None where /proc does not allow it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _call(case)
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
@@ -169,9 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for m in args.queries:
             case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
-            cpu_peak = cpu_peak_mib(case) if device.type == "cpu" else None  # first call: least freed memory reused
-            seconds, accepted, peak = time_case(case, args.warmup, args.repeats, device)
-            peak = cpu_peak if peak is None else peak
+            peak = peak_mib(case, device)  # the case's first call: the least freed memory to reuse
+            seconds, accepted = time_case(case, args.warmup, args.repeats, device)
             median = statistics.median(seconds)
             row = dict(
                 context=context, queries=m, kept_rows=int(case["kept"].shape[-1]), median_ms=1e3 * median,

@@ -101,14 +101,15 @@ def _sums(
         lows = low[:, first:last]  # [P, c]
         index = (lows[..., None] * k + columns).clamp_max(bins * k - 1).reshape(problems, -1)
         near = a_rows.gather(1, index[..., None].expand(-1, -1, m)).reshape(problems, chunk, width, m)
+        span = slice(first * k, last * k)
         tail = last * k - min(n, last * k)  # zero positions after the last one (last chunk only)
-        chunk_prob, chunk_values = prob[:, :, first * k : last * k], values[:, first * k : last * k]
+        chunk_prob, chunk_values = prob[:, :, span], values[:, span]
         if tail:
             chunk_prob = torch.nn.functional.pad(chunk_prob, (0, tail))
             chunk_values = torch.nn.functional.pad(chunk_values, (0, 0, 0, tail))
         block_prob = chunk_prob.reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
         c_all = block_prob @ near.transpose(-1, -2)  # [P, c, k(positions), width]
-        owners = owner[:, first * k : last * k].reshape(problems, chunk, k)
+        owners = owner[:, span].reshape(problems, chunk, k)
         nearby = (owners - lows[..., None]).clamp(0, touched - 1)  # each position's bin among the block's
         local = (nearby * k)[..., None] + slots
         c = c_all.gather(3, local) * (owners >= 0)[..., None]  # [P, c, k(positions), k]
