@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--method", default="compresskv",
                    help="a press of the method registry, or exact (default compresskv: about a plain prefill's "
-                        "cost; compresskv_thorough re-reads each context once more (4.1x the prefill on CPU) and "
+                        "cost; compresskv_thorough re-reads each context once more (4.2x the prefill on CPU) and "
                         "keeps more of what later questions and continuations need: choose it when contexts are "
                         "stored and asked many questions; compresskv_balanced re-reads only the most novel quarter "
                         "(2.3x on CPU) and keeps most of the facts, not the continuation; with compresskv, "
