@@ -3,12 +3,18 @@
 Registered under one name with ``AttentionInterface`` and ``AttentionMaskInterface``. Over a
 compressed cache layer (see :mod:`kvcompress.cache`) it runs weighted attention (Alg. 3); anywhere
 else it hands the call to the stock sdpa function unchanged, so a never-compressed cache gives
-exactly the sdpa result.
+exactly the sdpa result. The one exception is inside :func:`new_tokens_see_all_cached`, where the
+repeat pass's chunks (new tokens after a full, unpadded cache) run a lower-right causal sdpa.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -18,6 +24,51 @@ from kvcompress.attention import weighted_attention_unchecked
 from kvcompress.cache import layer_of
 
 ATTENTION_NAME = "kvcompress"
+
+_NEW_TOKENS_SEE_ALL_CACHED: ContextVar[bool] = ContextVar("kvcompress_new_tokens_see_all_cached", default=False)
+
+
+@contextmanager
+def new_tokens_see_all_cached() -> Iterator[None]:
+    """Inside: every call's new tokens see every cached row and each other causally (no padding, no window).
+
+    Multi-token calls over uncompressed, full-attention layers then skip transformers' explicit mask for a
+    lower-right causal sdpa: on CUDA its flash kernel with grouped-query heads, where the explicit mask
+    forces a copy of the keys and values per query head and the slower masked kernel. Only a caller that
+    knows the mask is exactly that may enter (the repeat pass: one unpadded row after its context).
+    """
+    token = _NEW_TOKENS_SEE_ALL_CACHED.set(True)
+    try:
+        yield
+    finally:
+        _NEW_TOKENS_SEE_ALL_CACHED.reset(token)
+
+
+def _lower_right_causal_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    kwargs: dict,
+) -> torch.Tensor | None:
+    """sdpa of query ``[b, h_q, q, d]`` over key/value ``[b, h_kv, n, d]`` (n > q), query i seeing keys
+    ``< n - q + i + 1``; ``[b, q, h_q, d]``. None where the stock path must run: a sliding window, one new
+    token, or a CUDA call the flash kernel does not take (torch's lower-right fallbacks would copy or
+    materialise what the stock path already does)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    windowed = kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None
+    if windowed or q_len < 2 or k_len <= q_len or query.device.type not in ("cpu", "cuda"):
+        return None
+    grouped = query.shape[1] != key.shape[1]
+    if query.device.type == "cuda":
+        params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, False, grouped)
+        if not torch.backends.cuda.can_use_flash_attention(params):
+            return None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scaling, enable_gqa=grouped
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 def kvcompress_attention(
@@ -38,6 +89,10 @@ def kvcompress_attention(
     """
     layer = layer_of(key)
     if layer is None:
+        if _NEW_TOKENS_SEE_ALL_CACHED.get() and dropout == 0.0:
+            out = _lower_right_causal_sdpa(module, query, key, value, scaling, kwargs)
+            if out is not None:
+                return out, None
         return ALL_ATTENTION_FUNCTIONS["sdpa"](
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )

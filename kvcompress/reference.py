@@ -26,6 +26,7 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
+from kvcompress.hf_attention import new_tokens_see_all_cached
 from kvcompress.selection import attention_mass, key_novelty
 
 SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty")
@@ -195,7 +196,7 @@ def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chu
     (the layers' hooks record the queries and restore their layer from ``snapshot`` as soon as its attention
     has run, so only one layer at a time holds the chunk's rows); every layer is restored after each chunk."""
     n = input_ids.shape[1]
-    with torch.no_grad():
+    with torch.no_grad(), new_tokens_see_all_cached():  # unpadded rows: each chunk sees all its context
         for start in range(0, n, chunk_size):
             decoder(input_ids=input_ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True)
             for layer_idx in range(len(cache.layers)):

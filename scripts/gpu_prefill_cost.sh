@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The prefill-cost numbers of a CUDA machine (kvpress 0.5.5 and transformers 5.2 importable): the attention-mass
-# kernel's tests compiled, the fit alone per layer with its top CUDA operators (`python -m eval.bench_fit
-# --profile`, 8k and 32k, 64 and 320 queries), then `python -m eval.speed --only prefill` (breakdown per setting +
-# one layer's mass) one context length per call, so that each stays within a few minutes. Outputs under $OUT (default
-# results/speed/prefill_cost/). Usage: bash scripts/gpu_prefill_cost.sh [LENGTH ...] (default 8192 32768 65536).
+# kernel's tests and the repeat pass's lower-right attention tests compiled, the fit alone per layer with its top
+# CUDA operators (`python -m eval.bench_fit --profile`, 8k and 32k, 64 and 320 queries), then `python -m eval.speed
+# --only prefill` (breakdown per setting + one layer's mass) one context length per call, so that each stays within
+# a few minutes. Outputs under $OUT (default results/speed/prefill_cost/). Usage: bash scripts/gpu_prefill_cost.sh
+# [LENGTH ...] (default 8192 32768 65536).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/prefill_cost}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-"$PYTHON" -m pytest tests/test_kernel_attention_mass.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
+"$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
 "$PYTHON" -m eval.bench_fit --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
 echo "bench_fit: exit $?"

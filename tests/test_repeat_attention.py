@@ -1,0 +1,136 @@
+"""The repeat pass's attention: new tokens after a full, unpadded cache run a lower-right causal sdpa
+(``kvcompress.hf_attention.new_tokens_see_all_cached``) instead of transformers' explicit mask.
+
+Against the float64 definition (query i of q new tokens sees the first ``n - q + i + 1`` of n keys), on the CPU
+and compiled on CUDA (flash kernel, grouped-query heads); the stock path wherever the mask says more (a
+sliding window, one new token, outside the block); and the repeat settings' caches unchanged by it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcompress import CompressKVPress, hf_attention, reference
+from kvcompress.hf_attention import kvcompress_attention, new_tokens_see_all_cached
+from tests.test_press_options import compressed_cache, tokens
+from tests.tiny_models import tiny_model
+
+# float16 sdpa on the CPU is no configuration the library runs; CUDA takes all three
+DEVICE_DTYPES = [("cpu", torch.float32), ("cpu", torch.bfloat16)] + (
+    [("cuda", dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)] if torch.cuda.is_available() else []
+)
+UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def float64_attention(query, key, value, scaling, visible):
+    """Softmax attention in float64 over the keys ``visible [q, n]`` marks; ``[b, q, h_q, d]``."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
+    logits = (query.double() @ key.transpose(-1, -2)) * scaling
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (probs @ value).transpose(1, 2)
+
+
+def lower_right(q_len: int, k_len: int, device) -> torch.Tensor:
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+
+
+def inputs(heads: int, kv_heads: int, q_len: int, k_len: int, dtype, device, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = ((2, heads, q_len, 64), (2, kv_heads, k_len, 64), (2, kv_heads, k_len, 64))
+    return [torch.randn(shape, generator=generator).to(device=device, dtype=dtype) for shape in shapes]
+
+
+def tolerance(value: torch.Tensor, k_len: int, dtype) -> float:
+    """A convex combination of the values: the logits' and the probabilities' rounding (about (d + n) units
+    relative each, with d = 64 and the sums over n keys) times the largest value, and the output's own rounding."""
+    unit = UNIT[dtype]
+    return (4 * (64 + k_len) * unit + unit) * value.abs().max().item()
+
+
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (7, 1)])
+@pytest.mark.parametrize("q_len, k_len", [(5, 37), (64, 300)])
+def test_new_tokens_after_a_cache_against_the_float64_definition(device, dtype, heads, kv_heads, q_len, k_len):
+    query, key, value = inputs(heads, kv_heads, q_len, k_len, dtype, device, seed=heads * k_len + q_len)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    visible = lower_right(q_len, k_len, device)
+    mask = visible[None, None].expand(2, 1, -1, -1)
+    with new_tokens_see_all_cached():
+        out, _ = kvcompress_attention(module, query, key, value, mask, scaling=0.125)
+    expected = float64_attention(query, key, value, 0.125, visible)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert (out.double() - expected).abs().max().item() <= tolerance(value, k_len, dtype)
+
+
+def _spy(monkeypatch) -> list[bool]:
+    """Record whether each lower-right call ran (True) or handed back to the stock path (False)."""
+    taken, original = [], hf_attention._lower_right_causal_sdpa
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(hf_attention, "_lower_right_causal_sdpa", spy)
+    return taken
+
+
+@pytest.mark.parametrize("case", ["sliding_window kwarg", "sliding module", "one new token", "outside the block"])
+def test_the_stock_mask_stays_wherever_it_says_more(case, monkeypatch):
+    taken = _spy(monkeypatch)
+    q_len, k_len, window = (1, 40, None) if case == "one new token" else (12, 40, 8)
+    query, key, value = inputs(4, 2, q_len, k_len, torch.float32, "cpu", seed=7)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, sliding_window=None)
+    kwargs = {}
+    visible = lower_right(q_len, k_len, "cpu")
+    if case == "sliding_window kwarg":
+        kwargs["sliding_window"] = window
+    elif case == "sliding module":
+        module.sliding_window = window
+    if window is not None and case != "outside the block":  # key j visible from position p when p - window < j
+        positions = torch.arange(k_len - q_len, k_len)[:, None]
+        visible &= torch.arange(k_len)[None, :] > positions - window
+    context = nullcontext() if case == "outside the block" else new_tokens_see_all_cached()
+    if case == "outside the block":  # a padded key the explicit mask hides: only the mask can say so
+        visible[:, 3] = False
+    with context:
+        out, _ = kvcompress_attention(module, query, key, value, visible[None, None], scaling=0.125, **kwargs)
+    expected = float64_attention(query, key, value, 0.125, visible)
+    assert (out.double() - expected).abs().max().item() <= tolerance(value, k_len, torch.float32)
+    assert taken == ([] if case == "outside the block" else [False])
+
+
+@pytest.mark.parametrize(
+    "press",
+    [
+        CompressKVPress.thorough(compression_ratio=0.6, seed=0, repeat_chunk=128),
+        CompressKVPress.balanced(compression_ratio=0.6, seed=0, repeat_chunk=32),
+    ],
+    ids=["thorough", "balanced"],
+)
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_repeat_settings_keep_their_cache(press, family, monkeypatch):
+    """Same rows, weights within float32 rounding, with and without the lower-right path; the path is taken
+    in every full-attention layer of every chunk (gemma3's sliding layer keeps its own mask)."""
+    model, context = tiny_model(family), tokens(320, 5)
+    monkeypatch.setattr(reference, "new_tokens_see_all_cached", nullcontext)
+    stock = compressed_cache(model, press, context)
+    monkeypatch.undo()
+    taken = _spy(monkeypatch)
+    cache = compressed_cache(model, press, context)
+    full_attention = sum(getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers)
+    pieces = reference.spread_pieces(320, press.repeat_fraction, press.repeat_span)  # as many as the novel ones
+    repeat_tokens = 320 if pieces is None else len(pieces)
+    chunks = -(-repeat_tokens // press.repeat_chunk)
+    assert taken.count(True) == chunks * full_attention and taken.count(False) == chunks * (
+        len(model.model.layers) - full_attention
+    )
+    for expected, layer in zip(stock.layers, cache.layers, strict=True):
+        assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
+        if hasattr(expected, "row_weights"):
+            torch.testing.assert_close(layer.row_weights, expected.row_weights, rtol=1e-5, atol=1e-6)
