@@ -164,33 +164,31 @@ def _solve(
     return weights, values
 
 
+@dataclass
 class _QuerySet:
-    """One set of reference queries, precomputed to score candidate fits (float32): exact outputs and the
-    protected rows' parts of weighted attention, gathered from chunks of the queries (:meth:`add`)."""
+    """One set of reference queries, precomputed to score candidate fits (float32): the kept rows' probabilities
+    ``[P, M, r]``, the exact outputs ``[P, M, d]`` and the protected rows' numerators ``[P, M, d]`` and
+    denominators ``[P, M]``."""
 
-    def __init__(self) -> None:
-        self.parts: list[tuple[torch.Tensor, ...]] = []
+    kept_prob: torch.Tensor
+    exact: torch.Tensor
+    numerator: torch.Tensor
+    denominator: torch.Tensor
 
-    def add(self, prob: torch.Tensor, kept: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor) -> None:
-        """The parts of the queries of ``prob [P, M, n]``: the kept rows' probabilities ``[P, M, r]``, the exact
-        outputs ``[P, M, d]`` and the protected rows' numerators and denominators (the few sink and window rows)."""
-        m = prob.shape[1]
+    @staticmethod
+    def chunk(prob: torch.Tensor, kept: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor) -> tuple:
+        """The four parts of the queries of ``prob [P, M, n]`` (the protected rows: the few sink and window rows)."""
         guarded = prob.index_select(2, protected_rows)  # [P, M, p]
-        self.parts.append(
-            (
-                prob.gather(2, kept[:, None, :].expand(-1, m, -1)),
-                prob @ values,
-                guarded @ values.index_select(1, protected_rows),
-                guarded.sum(-1),
-            )
+        return (
+            prob.gather(2, kept[:, None, :].expand(-1, prob.shape[1], -1)),
+            prob @ values,
+            guarded @ values.index_select(1, protected_rows),
+            guarded.sum(-1),
         )
 
-    def close(self) -> _QuerySet:
-        self.kept_prob, self.exact, self.numerator, self.denominator = (
-            torch.cat(x, 1) for x in zip(*self.parts, strict=True)
-        )
-        del self.parts
-        return self
+    @classmethod
+    def of_chunks(cls, chunks: list[tuple]) -> _QuerySet:
+        return cls(*(torch.cat(parts, 1) for parts in zip(*chunks, strict=True)))
 
     def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
         """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention;
@@ -259,7 +257,7 @@ def fit_kept_rows(
     for start in (0, 1):
         half = grouped[:, start::2]
         half_positions = None if positions is None else positions[start::2]
-        total, check = None, _QuerySet()
+        total, chunks = None, []
         for first in range(0, half.shape[1], step):
             prob = _probabilities(
                 half[:, first : first + step],
@@ -269,10 +267,10 @@ def fit_kept_rows(
             )
             part = _sums(prob, padded, owner, flat_values, bins, k)
             total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
-            check.add(prob, flat_kept, protected_rows, flat_values)
+            chunks.append(_QuerySet.chunk(prob, flat_kept, protected_rows, flat_values))
             del prob
         sums.append(total)
-        checks.append(check.close())
+        checks.append(_QuerySet.of_chunks(chunks))
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
     solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 
