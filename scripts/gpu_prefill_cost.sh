@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The prefill-cost numbers of a CUDA machine (kvpress 0.5.5 and transformers 5.2 importable): the attention-mass
 # kernel's tests and the repeat pass's lower-right attention tests compiled, the fit alone per layer with its top
-# CUDA operators (`python -m eval.bench_fit --profile`, 8k and 32k, 64 and 320 queries), then `python -m eval.speed
-# --only prefill` (breakdown per setting + one layer's mass) one context length per call, so that each stays within
-# a few minutes. Outputs under $OUT (default results/speed/prefill_cost/). Usage: bash scripts/gpu_prefill_cost.sh
+# CUDA operators (`python -m eval.bench_fit --profile`, 8k and 32k, 64 and 320 queries), one repeat chunk's
+# attention masked and lower-right (`python -m eval.bench_repeat_attention`), then `python -m eval.speed --only
+# prefill` (breakdown per setting + one layer's mass) one context length per call, so that each stays within a few
+# minutes. Outputs under $OUT (default results/speed/prefill_cost/). Usage: bash scripts/gpu_prefill_cost.sh
 # [LENGTH ...] (default 8192 32768 65536).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,9 @@ tail -1 "$OUT/kernel_tests.txt"
 "$PYTHON" -m eval.bench_fit --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
 echo "bench_fit: exit $?"
 head -4 "$OUT/bench_fit.log"
+"$PYTHON" -m eval.bench_repeat_attention --output "$OUT/bench_repeat_attention.json" > "$OUT/bench_repeat_attention.log" 2>&1
+echo "bench_repeat_attention: exit $?"
+cat "$OUT/bench_repeat_attention.log"
 for n in "${@:-8192 32768 65536}"; do
     for length in $n; do
         "$PYTHON" -m eval.speed --only prefill --breakdown-lengths "$length" --output "$OUT/prefill_$length.json" \
