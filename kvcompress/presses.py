@@ -144,7 +144,9 @@ class CompressKVPress(WeightedSubsetPress):
         """For a context compressed once and asked many questions (a server's stored contexts): the repeat pass
         (about one more prefill) beside the window, each key scored by the MAX attention any of their queries gives
         it, the kept rows fitted to those queries. Keeps what later questions ask for where cheaper scoring loses
-        it (``docs/BENCHMARKS.md``, RULER-style); holds the full cache until the repeat pass ends."""
+        it (``docs/BENCHMARKS.md``, RULER-style). The pass is streamed layer by layer (one layer's full cache held at
+        a time) on models without sliding-window layers; elsewhere, and for padded batches, the full cache is held
+        until it ends."""
         settings = dict(reference=("window", "repeat"), score_pooling="max")
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
@@ -153,7 +155,8 @@ class CompressKVPress(WeightedSubsetPress):
         """Between the default and ``thorough()``: the default's window and novelty prior, plus a repeat pass over
         the quarter of the context whose keys are most novel, in pieces of 32 tokens (``repeat_pieces="novel"``),
         max-pooled as ``thorough()``'s. The second reading goes over the outlying facts, and its queries find their
-        rows. About a quarter of ``thorough()``'s extra forward; holds the full cache until the repeat pass ends."""
+        rows. About a quarter of ``thorough()``'s extra forward; holds the full cache until the repeat pass ends (its
+        pieces are chosen from every layer's novelty, so the pass cannot be streamed layer by layer)."""
         settings = dict(
             reference=("window", "novelty", "repeat"), repeat_fraction=0.25, repeat_span=32, repeat_pieces="novel"
         )
@@ -164,6 +167,9 @@ class CompressKVPress(WeightedSubsetPress):
 
     def repeat_samples(self) -> int:
         return self.fit_queries if self.fit != "none" else 0
+
+    def repeat_reads_references(self) -> bool:
+        return self.repeat_pieces == "novel"
 
     def repeat_positions(self, n: int, device, references: list[LayerReference]) -> torch.Tensor | None:
         if self.repeat_pieces == "novel":

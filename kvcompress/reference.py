@@ -191,6 +191,35 @@ def novel_pieces(
     return _piece_positions(score.topk(max(1, round(fraction * pieces))).indices.sort().values, span, n)
 
 
+def repeat_through_layer(
+    layer: torch.nn.Module, decoder: torch.nn.Module, hidden: list[torch.Tensor], cache, layer_idx: int
+) -> None:
+    """The repeat pass through one decoder layer (the streamed form of :func:`repeat_context`): each chunk's hidden
+    states ``[b, c, hidden]`` entering ``layer`` are replaced, in ``hidden``, by the layer's output, the chunk
+    placed after the layer's cached rows as :func:`repeat_context` places it. The layer's hooks record the queries
+    and restore the layer, as in the whole-model pass; positions, rotary embeddings and the mask are the ones the
+    decoder would build for that call (a model without sliding-window layers)."""
+    rows = cache.layers[layer_idx].keys.shape[-2]
+    masks = {}
+    with torch.no_grad(), new_tokens_see_all_cached():
+        for i, chunk in enumerate(hidden):
+            size = chunk.shape[1]
+            positions = torch.arange(rows, rows + size, device=chunk.device)
+            if size not in masks:  # transformers' bool mask, for the stock path where the lower-right one cannot run
+                visible = torch.ones(size, rows + size, dtype=torch.bool, device=chunk.device)
+                masks[size] = visible.tril(rows)[None, None]
+            out = layer(
+                chunk,
+                attention_mask=masks[size],
+                position_embeddings=decoder.rotary_emb(chunk, positions[None]),
+                position_ids=positions[None],
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=positions,
+            )
+            hidden[i] = out[0] if isinstance(out, tuple) else out
+
+
 def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int, snapshot: list) -> None:
     """Feed ``input_ids [b, n]`` again after the n cached context tokens, ``chunk_size`` tokens at a time
     (the layers' hooks record the queries and restore their layer from ``snapshot`` as soon as its attention

@@ -6,9 +6,13 @@ the middle by a weighted subset, per batch row and KV head. The compressed layer
 attention, which runs weighted attention (Alg. 3) over such layers and stock sdpa everywhere else. The switch
 outlives the ``with press(model)`` block on purpose: the question and the answer are computed after it.
 
-A layer is compressed right after its prefill, as in kvpress, unless the press reads the context a second time
-(``reference`` with ``"repeat"``): then every layer keeps its full cache until the prefill forward has returned,
-the repeat pass runs, and all layers are compressed before the forward call gives control back.
+A layer is compressed right after its prefill, as in kvpress. A press that reads the context a second time
+(``reference`` with ``"repeat"``) streams that pass: right after a decoder layer's prefill the repeated tokens go
+through that layer alone, chunk by chunk, and the layer is compressed before the next one runs, so only one layer
+holds its full cache at a time. Where the repeat cannot be streamed (pieces chosen from every layer's prefill,
+padded batches, sliding-window layers, ``inputs_embeds``) every layer keeps its full cache until the prefill
+forward has returned, the whole-model repeat pass runs, and all layers are compressed before the forward call
+gives control back.
 
 Padded batches: the 2D ``attention_mask`` of the prefill call says which tokens are real. Each row is then
 compressed on its own real tokens (its budget, sink and window from its true length; pads never selected),
@@ -41,7 +45,14 @@ from kvcompress._checks import check_finite, check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, row_view_cache, stack_rows
-from kvcompress.reference import LayerReference, record_repeat, repeat_context, restore_layer, snapshot_layers
+from kvcompress.reference import (
+    LayerReference,
+    record_repeat,
+    repeat_context,
+    repeat_through_layer,
+    restore_layer,
+    snapshot_layers,
+)
 from kvcompress.window import layer_windows, trim_to_windows
 
 logger = hf_logging.get_logger(__name__)
@@ -110,6 +121,8 @@ class WeightedSubsetPress(BasePress):
     _attention_mask: Any = field(default=None, init=False, repr=False, compare=False)
     _windows: list = field(default_factory=list, init=False, repr=False, compare=False)
     _prefilled: bool = field(default=False, init=False, repr=False, compare=False)
+    _call: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (decoder, input_ids)
+    _stream: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: whole pass
 
     def __post_init__(self) -> None:
         check_number("compression_ratio", self.compression_ratio, 0, 1)
@@ -168,6 +181,11 @@ class WeightedSubsetPress(BasePress):
         """Repeat-pass queries kept per layer for a fit (subclasses with a fit override it)."""
         return 0
 
+    def repeat_reads_references(self) -> bool:
+        """Whether :meth:`repeat_positions` reads the waiting layers' references (the repeat then waits for them
+        all instead of streaming layer by layer)."""
+        return False
+
     def repeat_positions(self, n: int, device: torch.device, references: list[LayerReference]) -> torch.Tensor | None:
         """Positions of an n-token context the repeat pass re-reads, in order; None: all of them.
         ``references``: what each waiting layer's prefill recorded for this context."""
@@ -202,6 +220,8 @@ class WeightedSubsetPress(BasePress):
                 hooks = [decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
                 if "repeat" in self.reference_sources():
                     hooks.append(decoder.register_forward_hook(self._after_prefill, with_kwargs=True))
+                    streamed = self._repeat_streamed
+                    hooks += [layer.register_forward_hook(streamed, with_kwargs=True) for layer in decoder.layers]
                 hooks.append(decoder.register_forward_hook(self._finish_prefill, with_kwargs=True))
                 try:
                     yield
@@ -210,12 +230,14 @@ class WeightedSubsetPress(BasePress):
                         hook.remove()
         finally:
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
-            self._prefilled = False
+            self._prefilled, self._call, self._stream = False, (None, None), None
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Decoder pre-hook: remember the call's padding mask (the repeat pass's own calls are ours)."""
+        """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
+        ours)."""
         if not self._repeating:
             self._attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            self._call, self._stream = (decoder, kwargs.get("input_ids", args[0] if args else None)), None
 
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window
@@ -275,9 +297,53 @@ class WeightedSubsetPress(BasePress):
             self._compress_layer(cache, state)
         return output
 
+    def _stream_start(self, layer_idx: int, state: dict) -> list[torch.Tensor] | bool:
+        """The repeated tokens' embeddings, in chunks, when this prefill's repeat pass can be streamed; else False."""
+        decoder, input_ids = self._call
+        streamable = (
+            layer_idx == 0
+            and state["rows"] is None
+            and input_ids is not None
+            and not self.repeat_reads_references()
+            and all(window is None for window in self._windows)
+            and hasattr(decoder, "rotary_emb")
+            and hasattr(decoder, "embed_tokens")
+        )
+        if not streamable:
+            return False
+        pieces = self.repeat_positions(input_ids.shape[1], input_ids.device, [])
+        ids = input_ids if pieces is None else input_ids[:, pieces]
+        with torch.no_grad():
+            return [decoder.embed_tokens(chunk) for chunk in ids.split(self.repeat_chunk, dim=1)]
+
+    def _repeat_streamed(self, layer: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Decoder-layer hook, after a layer's prefill: stream the repeat pass through it and compress it."""
+        layer_idx = layer.self_attn.layer_idx
+        if self._repeating or layer_idx not in self._pending:
+            return
+        state = self._pending[layer_idx]
+        if self._stream is None:
+            self._stream = self._stream_start(layer_idx, state)
+        if self._stream is False:
+            return
+        cache = kwargs["past_key_values"]
+        repeat_tokens = sum(chunk.shape[1] for chunk in self._stream)
+        pending, self._repeating = self._pending, True
+        tokens = cache.layers[layer_idx].keys.shape[-2]
+        self._pending = {layer_idx: dict(reference=state["references"][0], tokens=tokens, repeat_tokens=repeat_tokens)}
+        self._snapshot = snapshot_layers(cache)
+        try:
+            repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx)
+        finally:
+            self._pending, self._repeating, self._snapshot = pending, False, []
+        self._compress_layer(cache, self._pending.pop(layer_idx))
+
     def _after_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook: after a prefill whose layers wait for the repeat pass, run it and compress."""
-        if self._repeating or not self._pending:
+        if self._repeating:
+            return
+        self._stream = None  # a streamed pass is over: its hidden states go
+        if not self._pending:
             return
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
         input_ids = kwargs.get("input_ids", args[0] if args else None)

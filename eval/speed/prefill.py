@@ -6,7 +6,8 @@ with the library's stages wrapped in timers that synchronise the device around e
 medians over the same repeats). Stages, all in seconds per prefill:
 
 * ``mass_s``: every :func:`kvcompress.selection.attention_mass` call of the reference sources;
-* ``repeat_forward_s``: the repeat pass (:func:`kvcompress.reference.repeat_context`) less the mass inside it;
+* ``repeat_forward_s``: the repeat pass (:func:`kvcompress.reference.repeat_context`, or streamed layer by layer
+  :func:`kvcompress.reference.repeat_through_layer`) less the mass inside it;
 * ``compress_s``: every layer's compression after its references are recorded (``_compress_layer``), split
   into ``fit_s`` (:func:`kvcompress.fitting.fit_kept_rows`) and ``selection_s`` (the rest: scores, top rows,
   RPNys for the paper's setting, gathers);
@@ -108,6 +109,7 @@ class StageTimer:
         patches = [
             (reference, "attention_mass", "mass"),
             (weighted_press, "repeat_context", "repeat"),
+            (weighted_press, "repeat_through_layer", "repeat"),
             (methods, "fit_kept_rows", "fit"),
             (weighted_press.WeightedSubsetPress, "_compress_layer", "compress"),
         ]
