@@ -23,6 +23,7 @@ rows (see :mod:`kvcompress.padding`).
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,15 +329,25 @@ class WeightedSubsetPress(BasePress):
             return
         cache = kwargs["past_key_values"]
         repeat_tokens = sum(chunk.shape[1] for chunk in self._stream)
-        pending, self._repeating = self._pending, True
-        tokens = cache.layers[layer_idx].keys.shape[-2]
-        self._pending = {layer_idx: dict(reference=state["references"][0], tokens=tokens, repeat_tokens=repeat_tokens)}
-        self._snapshot = snapshot_layers(cache)
-        try:
+        with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
             repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx)
-        finally:
-            self._pending, self._repeating, self._snapshot = pending, False, []
         self._compress_layer(cache, self._pending.pop(layer_idx))
+
+    @contextmanager
+    def _reading_again(self, references: dict[int, LayerReference], cache, repeat_tokens: int) -> Iterator[None]:
+        """While a repeat pass of ``repeat_tokens`` tokens runs over ``cache``: the layers of ``references`` record
+        their queries into them (the attention hooks read ``_pending``) and every layer is restored from a
+        snapshot as soon as its attention has run."""
+        saved = self._pending
+        self._pending = {
+            i: dict(reference=reference, tokens=cache.layers[i].keys.shape[-2], repeat_tokens=repeat_tokens)
+            for i, reference in references.items()
+        }
+        self._repeating, self._snapshot = True, snapshot_layers(cache)
+        try:
+            yield
+        finally:
+            self._pending, self._repeating, self._snapshot = saved, False, []
 
     def _after_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook: after a prefill whose layers wait for the repeat pass, run it and compress."""
@@ -346,7 +357,7 @@ class WeightedSubsetPress(BasePress):
         if not self._pending:
             return
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        input_ids = self._call[1]
         pending, self._pending = self._pending, {}
         if input_ids is None:
             raise ValueError(
@@ -360,19 +371,9 @@ class WeightedSubsetPress(BasePress):
             references = [state["references"][b] for state in pending.values()]
             pieces = self.repeat_positions(row_ids.shape[1], row_ids.device, references)
             row_ids = row_ids if pieces is None else row_ids[:, pieces]
-            self._pending = {
-                i: dict(
-                    reference=state["references"][b],
-                    tokens=row_cache.layers[i].keys.shape[-2],
-                    repeat_tokens=row_ids.shape[1],
-                )
-                for i, state in pending.items()
-            }
-            self._repeating, self._snapshot = True, snapshot_layers(row_cache)
-            try:
+            row_references = {i: state["references"][b] for i, state in pending.items()}
+            with self._reading_again(row_references, row_cache, row_ids.shape[1]):
                 repeat_context(decoder, row_ids, row_cache, self.repeat_chunk, self._snapshot)
-            finally:
-                self._pending, self._repeating, self._snapshot = {}, False, []
         for state in pending.values():
             self._compress_layer(cache, state)
 
