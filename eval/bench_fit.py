@@ -17,18 +17,15 @@ Run from the repository root: ``python -m eval.bench_fit [--device cuda] [--prof
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import functools
 import statistics
-import sys
-import time
 from typing import Any
 
 import torch
 
+from eval.microbench import DTYPES, add_run_arguments, check_run_arguments, peak_mib, time_calls, write_json
 from kvcompress.fitting import fit_kept_rows
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SINK, WINDOW = 4, 64  # the default press's protected rows
 
 
@@ -68,47 +65,6 @@ def _call(case: dict[str, Any]):
     )  # fmt: skip
 
 
-def time_case(case: dict[str, Any], warmup: int, repeats: int, device: torch.device) -> tuple[list[float], float]:
-    """Seconds of ``repeats`` calls (each synchronised) and the fraction of heads whose fit was accepted."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        _call(case)
-    seconds = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        result = _call(case)
-        sync()
-        seconds.append(time.perf_counter() - start)
-    return seconds, float(result.accepted.float().mean())
-
-
-def _resident_mib(field: str) -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field)) / 2**10
-
-
-def peak_mib(case: dict[str, Any], device: torch.device) -> float | None:
-    """Peak memory (MiB) of one call above what was held before it. CUDA: the allocator's peak. CPU, on Linux: the
-    resident high-water mark, reset first (``/proc/self/clear_refs``), then read (``VmHWM``); memory the process
-    freed earlier and reuses is not counted, so a lower bound. None where /proc does not allow it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        _call(case)
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    try:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        before = _resident_mib("VmRSS")
-    except OSError:
-        return None
-    _call(case)
-    return _resident_mib("VmHWM") - before
-
-
 def profile_case(case: dict[str, Any], device: torch.device, rows: int = 15) -> str:
     """The top operators of one call by self device time (CUDA) or self CPU time."""
     from torch.profiler import ProfilerActivity, profile
@@ -127,28 +83,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768], help="context tokens (default 8k 32k)")
     p.add_argument("--queries", type=int, nargs="+", default=[64, 320], help="reference queries per query head")
     p.add_argument("--kept", type=float, default=0.25, help="kept fraction of each context, in (0, 1] (default 0.25)")
-    p.add_argument("--heads", type=int, nargs=2, default=[28, 4], metavar=("Q", "KV"), help="query and KV heads")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=28, help="layers of the model the per-layer median is scaled to")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--profile", action="store_true", help="print the top operators of the last row's case")
-    p.add_argument("--output", default=None, help="JSON file for the rows and the environment")
+    add_run_arguments(p)
     args = p.parse_args(argv)
     if not 0 < args.kept <= 1:
         p.error(f"--kept: must be in (0, 1], got {args.kept}")
-    if args.heads[0] % args.heads[1]:
-        p.error(f"--heads: query heads must be a multiple of KV heads, got {args.heads}")
+    check_run_arguments(p, args)
     for name in ("contexts", "queries"):
         low = SINK + WINDOW + 16 if name == "contexts" else 2
         if min(getattr(args, name)) < low:
             p.error(f"--{name}: every value must be >= {low}, got {getattr(args, name)}")
-    for name in ("head_dim", "layers", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     return args
 
 
@@ -165,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for m in args.queries:
             case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
-            peak = peak_mib(case, device)  # the case's first call: the least freed memory to reuse
-            seconds, accepted = time_case(case, args.warmup, args.repeats, device)
+            call = functools.partial(_call, case)
+            peak = peak_mib(call, device)  # the case's first call: the least freed memory to reuse
+            seconds, result = time_calls(call, args.warmup, args.repeats, device)
+            accepted = float(result.accepted.float().mean())  # fraction of heads whose fit was accepted
             median = statistics.median(seconds)
             row = dict(
                 context=context, queries=m, kept_rows=int(case["kept"].shape[-1]), median_ms=1e3 * median,
@@ -181,16 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and case is not None:
         print(profile_case(case, device))
     if args.output:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-        environment = dict(
-            device=str(device), name=name, torch=torch.__version__, python=platform.python_version(),
-            threads=torch.get_num_threads(),
-        )  # fmt: skip
-        command = " ".join(["python -m eval.bench_fit", *(sys.argv[1:] if argv is None else argv)])
-        payload = dict(rows=rows, settings=vars(args), environment=environment, command=command)
-        with open(args.output, "w") as f:
-            json.dump(payload, f, indent=2)
-        print(f"wrote {args.output}")
+        write_json(args.output, "eval.bench_fit", argv, rows, args)
     return 0
 
 
