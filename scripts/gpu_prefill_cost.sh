@@ -5,7 +5,9 @@
 # attention masked and lower-right (`python -m eval.bench_repeat_attention`), then `python -m eval.speed --only
 # prefill` (breakdown per setting + one layer's mass) one context length per call, so that each stays within a few
 # minutes. Outputs under $OUT (default results/speed/prefill_cost/). Usage: bash scripts/gpu_prefill_cost.sh
-# [LENGTH ...] (default 8192 32768 65536).
+# [LENGTH ...] (default 8192 32768 65536); SETTINGS="none snapkv default ..." times only those settings, E2E_REPEATS=N
+# that many prefills per row (default 3), FIT_AFTER_FIRST=1 runs eval.bench_fit after the first length instead of
+# before it (when device time is short, the first length's breakdown comes first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/prefill_cost}
@@ -14,17 +16,24 @@ PYTHON=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
-"$PYTHON" -m eval.bench_fit --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
-echo "bench_fit: exit $?"
-head -4 "$OUT/bench_fit.log"
+run_bench_fit() {
+    "$PYTHON" -m eval.bench_fit --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
+    echo "bench_fit: exit $?"
+    head -8 "$OUT/bench_fit.log"
+}
+[ "${FIT_AFTER_FIRST:-0}" = 1 ] || run_bench_fit
 "$PYTHON" -m eval.bench_repeat_attention --output "$OUT/bench_repeat_attention.json" > "$OUT/bench_repeat_attention.log" 2>&1
 echo "bench_repeat_attention: exit $?"
 cat "$OUT/bench_repeat_attention.log"
+extra=()
+[ -n "${SETTINGS:-}" ] && extra+=(--breakdown-settings $SETTINGS)
+[ -n "${E2E_REPEATS:-}" ] && extra+=(--e2e-repeats "$E2E_REPEATS")
 for n in "${@:-8192 32768 65536}"; do
     for length in $n; do
-        "$PYTHON" -m eval.speed --only prefill --breakdown-lengths "$length" --output "$OUT/prefill_$length.json" \
-            > "$OUT/prefill_$length.log" 2>&1
+        "$PYTHON" -m eval.speed --only prefill --breakdown-lengths "$length" "${extra[@]}" \
+            --output "$OUT/prefill_$length.json" > "$OUT/prefill_$length.log" 2>&1
         echo "n=$length: exit $?"
         grep -A20 "breakdown per setting" "$OUT/prefill_$length.log"
+        if [ "${FIT_AFTER_FIRST:-0}" = 1 ]; then run_bench_fit; FIT_AFTER_FIRST=done; fi
     done
 done

@@ -70,3 +70,13 @@ def test_cpu_peak_sees_a_tensor_allocated_after_the_reset_and_not_one_freed_befo
     after = clock.memory_peak_gib()
     assert 0.45 < grown < 0.75, grown  # 0.5 GiB, give or take what the interpreter allocated meanwhile
     assert after < base + 0.1, (base, after)  # the freed tensor left the resident set and the peak was reset
+
+
+def test_breakdown_settings_choose_the_rows_and_reject_an_unknown_name(tmp_path: Path) -> None:
+    output = tmp_path / "speed.json"
+    chosen = ["none", "snapkv", "default"]
+    assert speed.main([*ARGS, "--breakdown-settings", *chosen, "--e2e-repeats", "1", "--output", str(output)]) == 0
+    rows = json.loads(output.read_text())["prefill_breakdown"]["rows"]
+    assert [r["setting"] for r in rows] == chosen and all("error" not in r for r in rows)
+    with pytest.raises(ValueError, match="breakdown_settings: choose from .*default.*got"):
+        speed.main([*ARGS, "--breakdown-settings", "defualt"])

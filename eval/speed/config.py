@@ -113,6 +113,7 @@ class Config:
     model: dict[str, Any] = field(default_factory=lambda: dict(QWEN25_7B))
     prefill_lengths: list[int] = field(default_factory=lambda: [8192, 32768])
     breakdown_lengths: list[int] = field(default_factory=lambda: [8192, 32768, 65536])  # eval/speed/prefill.py
+    breakdown_settings: list[str] | None = None  # None: every setting of eval/speed/prefill.py's SETTINGS
     e2e_warmup: int = 1
     e2e_repeats: int = 3
     decode_context: int = 32768
@@ -160,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-heads", nargs="+", help="KVxGROUP pairs for the decode kernel (default 8x4 4x7)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", help="e2e prefill lengths (default 8192 32768)")
     p.add_argument("--breakdown-lengths", type=int, nargs="+", help="prefill breakdown lengths (default 8k 32k 64k)")
+    p.add_argument("--breakdown-settings", nargs="+", help="prefill breakdown settings (default all; see prefill.py)")
+    p.add_argument("--e2e-repeats", type=int, help="timed prefills per e2e / breakdown row (default 3)")
     p.add_argument("--decode-context", type=int, help="e2e context before decoding (default 32768)")
     p.add_argument("--decode-batch", type=int, help="e2e decode batch size (default 1)")
     p.add_argument("--decode-tokens", type=int, help="e2e timed decode steps (default 64)")
@@ -198,6 +201,12 @@ def resolve_config(argv: list[str] | None = None) -> Config:
         raise ValueError(f"only: choose from {','.join(SECTIONS)}, got {cfg.only}")
     if set(cfg.backends) - set(BACKENDS):
         raise ValueError(f"backends: choose from {BACKENDS}, got {cfg.backends}")
+    if cfg.breakdown_settings is not None:
+        from eval.speed.prefill import SETTINGS  # prefill.py imports this module
+
+        unknown = [name for name in cfg.breakdown_settings if name not in SETTINGS]
+        if unknown or not cfg.breakdown_settings:
+            raise ValueError(f"breakdown_settings: choose from {', '.join(SETTINGS)}, got {cfg.breakdown_settings}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype: choose from {sorted(DTYPES)}, got {cfg.dtype!r}")
     if not 0 < cfg.kept < 1:

@@ -143,7 +143,7 @@ def run_prefill_breakdown(
     rows = []
     for n in cfg.breakdown_lengths:
         ids = tokens(1, n)
-        for name in SETTINGS:
+        for name in cfg.breakdown_settings or SETTINGS:
             row: dict[str, Any] = {"n": n, "setting": name, "kept": 1.0 if name == "none" else cfg.kept}
             try:
                 press = make_setting(name, cfg)
