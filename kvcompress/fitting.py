@@ -31,13 +31,44 @@ sides loops over the batch on some CUDA builds: one library call per bin).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 _CHUNK_ELEMENTS = 1 << 25
 _QUERY_CHUNK_ELEMENTS = 1 << 25  # probabilities held at once: [P, queries, n] float32, 128 MiB
+
+
+@contextlib.contextmanager
+def _tensor_core_products(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """float32 products on a GPU's TF32 tensor cores for a bf16/fp16 context (CUDA only; restored after).
+
+    Keys, values and queries in bf16/fp16 are exact in TF32 (10-bit mantissa), so the logits lose nothing; the
+    probabilities' products round each probability to 2^-11, below the rounding the model's own bf16/fp16
+    attention already has. A float32 context keeps float32 products (cuBLAS's non-tensor-core kernels there ran
+    at 7-35 TFLOP/s on an H200: most of the fit's time). Process-wide while active, like torch's own setting.
+    """
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _sent(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device`` without making the host wait: on CUDA pinned and copied asynchronously (a blocking
+    copy waits for every kernel queued so far, the layer's forward included, and the fit's kernels would then be
+    launched one by one behind an idle GPU)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -63,12 +94,12 @@ def _probabilities(
 
 
 def _sums(
-    prob: torch.Tensor, kept: torch.Tensor, owner: torch.Tensor, values: torch.Tensor, bins: int, k: int
+    prob: torch.Tensor, a: torch.Tensor, owner: torch.Tensor, values: torch.Tensor, bins: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normal-equation pieces of one query set: Gram ``[P, T, k, k]``, mass rhs ``[P, T, k]``, value rhs
     ``[P, T, k, d]``, float64 (the products behind them float32). ``prob [P, M, n]`` and ``values [P, n, d]``
-    float32; ``owner [P, n]``: bin of each position (-1: protected), non-decreasing along positions;
-    ``kept [P, T * k]`` (padded).
+    float32; ``a [P, M, T * k]``: ``prob`` at the (padded) kept rows; ``owner [P, n]``: bin of each position
+    (-1: protected), non-decreasing along positions.
 
     With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
     ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``,
@@ -79,7 +110,6 @@ def _sums(
     """
     problems, m, n = prob.shape
     d = values.shape[-1]
-    a = prob.gather(2, kept[:, None, :].expand(-1, m, -1))  # [P, M, T * k]
     blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)  # [P, T, k, M]
     gram = (blocks @ blocks.transpose(-1, -2)).double()
     mass = prob.new_zeros(problems, bins, k)
@@ -176,11 +206,12 @@ class _QuerySet:
     denominator: torch.Tensor
 
     @staticmethod
-    def chunk(prob: torch.Tensor, kept: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor) -> tuple:
-        """The four parts of the queries of ``prob [P, M, n]`` (the protected rows: the few sink and window rows)."""
+    def chunk(prob: torch.Tensor, kept_prob: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor) -> tuple:
+        """The four parts of the queries of ``prob [P, M, n]`` (``kept_prob``: at the kept rows; the protected
+        rows: the few sink and window rows)."""
         guarded = prob.index_select(2, protected_rows)  # [P, M, p]
         return (
-            prob.gather(2, kept[:, None, :].expand(-1, prob.shape[1], -1)),
+            kept_prob,
             prob @ values,
             guarded @ values.index_select(1, protected_rows),
             guarded.sum(-1),
@@ -216,8 +247,8 @@ def fit_kept_rows(
 ) -> FitResult:
     """Fit the kept rows of a context to reference queries (module docstring).
 
-    Probabilities, their products and the error checks run in float32; the ``k x k`` systems are solved in
-    float64.
+    Probabilities, their products and the error checks run in float32 (TF32 tensor cores on a GPU for a
+    bf16/fp16 context: :func:`_tensor_core_products`); the ``k x k`` systems are solved in float64.
 
     keys ``[b, h_kv, n, d]``, values ``[b, h_kv, n, d_v]``: the whole context. kept ``[b, h_kv, r]`` int64,
     sorted positions of the kept non-protected rows. protected ``[n]`` bool: rows kept exact and outside the
@@ -227,68 +258,70 @@ def fit_kept_rows(
     fits only the mass and scales the kept values with it (``V_S = w v``). Needs at least 2 queries per KV
     head (the validation split).
     """
-    batch, heads_kv, n, dim = keys.shape
-    r, d_v = kept.shape[-1], values.shape[-1]
-    heads_q, m = queries.shape[1], queries.shape[2]
-    group = heads_q // heads_kv
-    problems = batch * heads_kv
-    flat_keys = keys.reshape(problems, n, dim).float()  # once, not per chunk of queries
-    flat_values = values.reshape(problems, n, d_v).float()
-    flat_kept = kept.reshape(problems, r)
-    grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
-    positions = None if query_positions is None else query_positions.to(keys.device).repeat(group)
+    with _tensor_core_products(keys.device, keys.dtype):
+        batch, heads_kv, n, dim = keys.shape
+        r, d_v = kept.shape[-1], values.shape[-1]
+        heads_q, m = queries.shape[1], queries.shape[2]
+        group = heads_q // heads_kv
+        problems = batch * heads_kv
+        flat_keys = keys.reshape(problems, n, dim).float()  # once, not per chunk of queries
+        flat_values = values.reshape(problems, n, d_v).float()
+        flat_kept = kept.reshape(problems, r)
+        grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
+        positions = None if query_positions is None else query_positions.to(keys.device).repeat(group)
 
-    k = min(bin_rows, r)
-    bins = -(-r // k)
-    padded = torch.cat([flat_kept, flat_kept[:, -1:].expand(-1, bins * k - r)], dim=1)
-    pad = (torch.arange(bins * k, device=keys.device) >= r).reshape(bins, k).expand(problems, -1, -1)
-    # Bin of every position: (number of kept rows at or before it, minus one) // k; protected: -1.
-    at_or_before = torch.searchsorted(
-        flat_kept, torch.arange(n, device=keys.device).expand(problems, n).contiguous(), right=True
-    )
-    protected = protected.cpu()
-    owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(protected[None, :].to(keys.device), -1)
-    protected_rows = protected.nonzero()[:, 0].to(keys.device)
+        k = min(bin_rows, r)
+        bins = -(-r // k)
+        padded = torch.cat([flat_kept, flat_kept[:, -1:].expand(-1, bins * k - r)], dim=1)
+        pad = (torch.arange(bins * k, device=keys.device) >= r).reshape(bins, k).expand(problems, -1, -1)
+        # Bin of every position: (number of kept rows at or before it, minus one) // k; protected: -1.
+        at_or_before = torch.searchsorted(
+            flat_kept, torch.arange(n, device=keys.device).expand(problems, n).contiguous(), right=True
+        )
+        protected = protected.cpu()
+        owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(_sent(protected, keys.device)[None, :], -1)
+        protected_rows = _sent(protected.nonzero()[:, 0], keys.device)
 
-    # Fit on the even queries, validate on the odd ones. Every sum is over queries: the probabilities are held a
-    # chunk of queries at a time (peak memory bounded whatever the query count), the sums added up in float64.
-    step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
-    sums, checks = [], []
-    for start in (0, 1):
-        half = grouped[:, start::2]
-        half_positions = None if positions is None else positions[start::2]
-        total, chunks = None, []
-        for first in range(0, half.shape[1], step):
-            prob = _probabilities(
-                half[:, first : first + step],
-                flat_keys,
-                scaling,
-                None if half_positions is None else half_positions[first : first + step],
-            )
-            part = _sums(prob, padded, owner, flat_values, bins, k)
-            total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
-            chunks.append(_QuerySet.chunk(prob, flat_kept, protected_rows, flat_values))
-            del prob
-        sums.append(total)
-        checks.append(_QuerySet.of_chunks(chunks))
-    prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
-    solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
+        # Fit on the even queries, validate on the odd ones. Every sum is over queries: the probabilities are held a
+        # chunk of queries at a time (peak memory bounded whatever the query count), the sums added up in float64.
+        step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
+        sums, checks = [], []
+        for start in (0, 1):
+            half = grouped[:, start::2]
+            half_positions = None if positions is None else positions[start::2]
+            total, chunks = None, []
+            for first in range(0, half.shape[1], step):
+                prob = _probabilities(
+                    half[:, first : first + step],
+                    flat_keys,
+                    scaling,
+                    None if half_positions is None else half_positions[first : first + step],
+                )
+                kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
+                part = _sums(prob, kept_prob, owner, flat_values, bins, k)
+                total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
+                chunks.append(_QuerySet.chunk(prob, kept_prob[..., :r], protected_rows, flat_values))
+                del prob, kept_prob
+            sums.append(total)
+            checks.append(_QuerySet.of_chunks(chunks))
+        prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
+        solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 
-    def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # float32, unpadded
-        return w.reshape(problems, bins * k)[:, :r].float(), v.reshape(problems, bins * k, d_v)[:, :r].float()
+        def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # float32, unpadded
+            return w.reshape(problems, bins * k)[:, :r].float(), v.reshape(problems, bins * k, d_v)[:, :r].float()
 
-    ones, unfitted = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
-    plain = [check.error(ones, unfitted) for check in checks]
-    prior_values = prior_values.double()
-    held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
-    better_held_out = checks[1].error(held_w, held_v) < plain[1]
-    fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
-    better_in_sample = checks[0].error(fit_w, fit_v) + checks[1].error(fit_w, fit_v) < plain[0] + plain[1]
-    accepted = better_held_out & better_in_sample
-    weights = torch.where(accepted[:, None], fit_w, ones)
-    kept_values = torch.where(accepted[:, None, None], fit_v, unfitted).to(values.dtype)
-    return FitResult(
-        weights=weights.reshape(batch, heads_kv, r),
-        values=kept_values.reshape(batch, heads_kv, r, d_v),
-        accepted=accepted.reshape(batch, heads_kv),
-    )
+        ones, unfitted = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
+        plain = [check.error(ones, unfitted) for check in checks]
+        prior_values = prior_values.double()
+        held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
+        better_held_out = checks[1].error(held_w, held_v) < plain[1]
+        fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
+        better_in_sample = checks[0].error(fit_w, fit_v) + checks[1].error(fit_w, fit_v) < plain[0] + plain[1]
+        accepted = better_held_out & better_in_sample
+        weights = torch.where(accepted[:, None], fit_w, ones)
+        kept_values = torch.where(accepted[:, None, None], fit_v, unfitted).to(values.dtype)
+        return FitResult(
+            weights=weights.reshape(batch, heads_kv, r),
+            values=kept_values.reshape(batch, heads_kv, r, d_v),
+            accepted=accepted.reshape(batch, heads_kv),
+        )

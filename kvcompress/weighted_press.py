@@ -42,7 +42,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from kvcompress._checks import check_finite, check_int_range
+from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, row_view_cache, stack_rows
@@ -124,6 +124,8 @@ class WeightedSubsetPress(BasePress):
     _prefilled: bool = field(default=False, init=False, repr=False, compare=False)
     _call: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (decoder, input_ids)
     _stream: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: whole pass
+    _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
+    _positions: tuple = field(default=(None, False), init=False, repr=False, compare=False)  # (tensor, prefilling)
 
     def __post_init__(self) -> None:
         check_number("compression_ratio", self.compression_ratio, 0, 1)
@@ -232,6 +234,7 @@ class WeightedSubsetPress(BasePress):
         finally:
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
             self._prefilled, self._call, self._stream = False, (None, None), None
+            self._finite, self._positions = [], (None, False)
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
@@ -239,6 +242,7 @@ class WeightedSubsetPress(BasePress):
         if not self._repeating:
             self._attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
             self._call, self._stream = (decoder, kwargs.get("input_ids", args[0] if args else None)), None
+            self._finite = []
 
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window
@@ -246,6 +250,7 @@ class WeightedSubsetPress(BasePress):
         if self._repeating or not self._prefilled:
             return
         self._prefilled = False
+        self._check_finite()
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
         if cache is None:
             return
@@ -255,9 +260,29 @@ class WeightedSubsetPress(BasePress):
         if isinstance(cache, StaticWeightedCache):
             cache.freeze()
 
+    def _check_finite(self) -> None:
+        """Raise if a compressed layer's keys or values held NaN or Inf: the flags of every layer read at once, after
+        the prefill (one host-device sync per prefill instead of two per layer)."""
+        flags, self._finite = self._finite, []
+        if not flags:
+            return
+        finite = torch.stack([flag for _, flag in flags]).cpu().tolist()
+        for (layer_idx, _), pair in zip(flags, finite, strict=True):
+            for name, ok in zip(("keys", "values"), pair, strict=True):
+                if not ok:
+                    raise ValueError(f"layer {layer_idx} {name}: contains NaN or Inf")
+
+    def _prefilling(self, cache_position: torch.Tensor, n: int) -> bool:
+        """kvpress's ``is_prefilling``, read once per decoder call: its layers share one ``cache_position`` tensor,
+        and reading a device tensor makes the host wait for the GPU (each layer's read would wait for that layer's
+        forward, and the press's kernels would then be launched behind an idle GPU)."""
+        if self._positions[0] is not cache_position:
+            self._positions = (cache_position, is_prefilling(cache_position, n))
+        return self._positions[1]
+
     def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
         n = kwargs["hidden_states"].shape[1]
-        if not self._repeating and self.plan(n) is not None and is_prefilling(kwargs["cache_position"], n):
+        if not self._repeating and self.plan(n) is not None and self._prefilling(kwargs["cache_position"], n):
             self._prefilled = True  # a prefill this press compresses: sliding layers are cut after it
         window = self._windows[module.layer_idx] if module.layer_idx < len(self._windows) else None
         if getattr(module, "is_sliding", False) or window is not None:
@@ -271,7 +296,7 @@ class WeightedSubsetPress(BasePress):
                 record_repeat(module, kwargs, keys, pending["reference"], samples, total)
             restore_layer(cache, module.layer_idx, self._snapshot)
             return output
-        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+        if not self._prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             return output  # only the prefill is compressed
         check_cache(cache)
         layer = cache.layers[module.layer_idx]
@@ -282,8 +307,8 @@ class WeightedSubsetPress(BasePress):
             if self.budget(n) < 1:
                 logger.warning_once(f"{type(self).__name__}: a {n}-token context keeps 0 rows; left uncompressed")
             return output
-        for name, x in (("keys", layer.keys), ("values", layer.values)):
-            check_finite(f"layer {module.layer_idx} {name}", x)
+        finite = torch.stack([torch.isfinite(layer.keys).all(), torch.isfinite(layer.values).all()])
+        self._finite.append((module.layer_idx, finite))  # read after the prefill (_check_finite)
         if rows is None:
             references = [self.record_reference(module, kwargs, layer.keys)]
         else:

@@ -312,3 +312,33 @@ def test_crop_counts_tokens_and_refuses_to_cut_the_compressed_context():
     with pytest.raises(RuntimeError, match="removed rows of a compressed cache layer"):
         cache.layers[0].keys = cache.layers[0].keys[:, :, :100]
     assert cache.layers[0].keys is before
+
+
+@pytest.mark.parametrize("press", [CompressKVPress(compression_ratio=0.5), CompressKVPress.thorough(0.5)])
+def test_a_layer_with_nan_keys_is_named_after_the_prefill(press):
+    """The finiteness of every compressed layer is read once, after the prefill: the error names the first bad layer."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^layer 1 keys: contains NaN or Inf$"), press(model):
+        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    with press(model):  # the next prefill starts clean
+        model.model.layers[1].self_attn.k_proj.weight.data[0, 0] = 0.5
+        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+
+
+def test_prefill_state_is_read_once_per_decoder_call(monkeypatch):
+    """kvpress's is_prefilling reads a device tensor (a host sync on a GPU): once per decoder call, not per layer."""
+    from kvcompress import weighted_press
+
+    calls = []
+    real = weighted_press.is_prefilling
+    monkeypatch.setattr(weighted_press, "is_prefilling", lambda position, n: calls.append(n) or real(position, n))
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with CompressKVPress(compression_ratio=0.5)(model):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    assert calls == [96, 1]

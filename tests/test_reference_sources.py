@@ -21,10 +21,10 @@ def float64_mass(queries, keys, scaling, query_positions=None, *, reduce="sum", 
     return float64_attention_mass(queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask).float()
 
 
-def dense_sums(prob, kept, owner, values, bins, k):
+def dense_sums(prob, kept_prob, owner, values, bins, k):
     """fitting._sums by its definition: every kept row's cross sums against every position, then own bin."""
     problems, m, n = prob.shape
-    a = prob.gather(2, kept[:, None, :].expand(-1, m, -1)).double()
+    a = kept_prob.double()
     blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)
     gram = blocks @ blocks.transpose(-1, -2)
     c_all = prob.double().transpose(1, 2) @ a  # [P, n, T * k]

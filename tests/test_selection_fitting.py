@@ -221,3 +221,26 @@ def test_fit_holds_the_probabilities_a_chunk_of_queries_at_a_time(monkeypatch):
     assert whole.accepted.any() and torch.equal(chunked.accepted, whole.accepted)
     torch.testing.assert_close(chunked.weights, whole.weights, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(chunked.values, whole.values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: a bf16 context's fit runs TF32 products there")
+def test_fit_on_cuda_with_tensor_core_products_matches_the_float32_fit():
+    g = _generator(7)
+    n, d = 2048, 64
+    keys = (torch.randn(1, 2, n, d, generator=g) + 2 * torch.randn(1, 2, 1, d, generator=g)).bfloat16()
+    values = torch.randn(1, 2, n, d, generator=g).bfloat16()
+    queries = (1.5 * torch.randn(1, 8, 64, d, generator=g)).bfloat16()
+    protected = (torch.arange(n) < 4) | (torch.arange(n) >= n - 64)
+    scores = torch.rand(1, 2, n, generator=g).masked_fill(protected, -1)
+    kept = top_rows(scores, n // 4 - 68).sort(-1).values
+    precision = torch.get_float32_matmul_precision()
+    on_cpu = fit_kept_rows(keys, values, kept, protected, queries, d**-0.5)
+    on_gpu = fit_kept_rows(keys.cuda(), values.cuda(), kept.cuda(), protected, queries.cuda(), d**-0.5)
+    assert torch.get_float32_matmul_precision() == precision  # the process's setting is restored
+    assert torch.equal(on_gpu.accepted.cpu(), on_cpu.accepted) and on_cpu.accepted.any()
+    # bf16 inputs are exact in TF32; each probability in a product is rounded by <= 2^-11 relative, and the
+    # ridge solve (condition <~ 10 times the bins' spread, see test_reference_sources) amplifies it: 20 units.
+    weights = on_cpu.weights
+    torch.testing.assert_close(on_gpu.weights.cpu(), weights, rtol=0, atol=20 * 2**-11 * weights.abs().max().item())
+    values_bound = (20 * 2**-11 + 2**-8) * on_cpu.values.float().abs().max().item()  # plus one bf16 rounding
+    torch.testing.assert_close(on_gpu.values.float().cpu(), on_cpu.values.float(), rtol=0, atol=values_bound)
