@@ -7,7 +7,9 @@
 # minutes. Outputs under $OUT (default results/speed/prefill_cost/). Usage: bash scripts/gpu_prefill_cost.sh
 # [LENGTH ...] (default 8192 32768 65536); SETTINGS="none snapkv default ..." times only those settings, E2E_REPEATS=N
 # that many prefills per row (default 3), FIT_AFTER_FIRST=1 runs eval.bench_fit after the first length instead of
-# before it (when device time is short, the first length's breakdown comes first).
+# before it (when device time is short, the first length's breakdown comes first), BUNDLE=1 packs $OUT into
+# $OUT.tgz at the end (the device tool returns a limited number of files). It also counts the host-device syncs of
+# one short prefill per setting (`python -m eval.probe_syncs`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/prefill_cost}
@@ -16,6 +18,9 @@ PYTHON=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
+"$PYTHON" -m eval.probe_syncs --output "$OUT/syncs.json" > "$OUT/syncs.log" 2>&1
+echo "probe_syncs: exit $?"
+grep -v "^ " "$OUT/syncs.log"
 run_bench_fit() {
     "$PYTHON" -m eval.bench_fit --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
     echo "bench_fit: exit $?"
@@ -37,3 +42,6 @@ for n in "${@:-8192 32768 65536}"; do
         if [ "${FIT_AFTER_FIRST:-0}" = 1 ]; then run_bench_fit; FIT_AFTER_FIRST=done; fi
     done
 done
+if [ "${BUNDLE:-0}" = 1 ]; then
+    tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT" && echo "packed $OUT.tgz"
+fi
