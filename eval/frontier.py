@@ -9,13 +9,16 @@ Each point (a press setting) takes its numbers from the files other harnesses wr
 * the prefill's cost: ``python -m eval.prefill_time``'s output lines for the press's label, the median CPU seconds
   over rounds divided by the baseline's (``baseline_prefill``'s label) in the same output (a ratio within one
   run: every log a point reads must time the baseline too), and the median peak resident memory above what the
-  process held before the prefill.
+  process held before the prefill;
+* the prefill's cost on a GPU, where measured: ``python -m eval.speed --only prefill``'s JSON, the setting's
+  ``vs_none`` (its prefill over the no-press one in the same run) and ``peak_vs_snapkv`` at ``gpu_tokens``.
 
     python -m eval.frontier --points results/frontier/points.yaml --output-dir results/frontier
 
 Writes ``frontier.md`` (the table, also printed), ``frontier.json`` and ``frontier.png`` (against the prefill
 cost: the RULER-style average per kept fraction, and the KL ratio with its interval; then the RULER-style average
-at the first kept fraction against the KL ratio; skipped with a note without matplotlib). Paths in the points
+at the first kept fraction against the KL ratio; and, where points have GPU numbers, the RULER-style average against
+the GPU prefill cost; skipped with a note without matplotlib). Paths in the points
 file are relative to the current directory.
 """
 
@@ -40,12 +43,15 @@ PREFILL_LINE = re.compile(
 @dataclass
 class PointsFile:
     """The points file's keys: ``baseline_prefill`` ``[log, label]`` (the no-press prefill), ``points`` (each with
-    ``name`` and optional ``ruler`` ``{kept: [run_dir, method]}``, ``kl`` ``[summary.json, label]`` and ``prefill``
-    ``[log, label]``), and the kept fraction of the KL ratios."""
+    ``name`` and optional ``ruler`` ``{kept: [run_dir, method]}``, ``kl`` ``[summary.json, label]``, ``prefill``
+    ``[log, label]`` and ``gpu`` ``[eval.speed JSON, setting]``), the kept fraction of the KL ratios, and the
+    context length and machine of the GPU numbers."""
 
     baseline_prefill: list = field(default_factory=list)
     points: list = field(default_factory=list)
     kl_kept: float = 0.25
+    gpu_tokens: int = 32768
+    gpu_machine: str = "GPU"
 
 
 def ruler_average(run_dir: str, method: str) -> float:
@@ -85,6 +91,14 @@ def prefill_cost(log: str, label: str) -> tuple[float, float | None]:
     return statistics.median(cpu), statistics.median(peak) if peak else None
 
 
+def gpu_cost(speed_json: str, setting: str, tokens: int) -> dict:
+    """``vs_none`` and ``peak_vs_snapkv`` of ``setting`` at ``tokens`` in an eval.speed JSON's prefill breakdown."""
+    for row in json.loads(Path(speed_json).read_text())["prefill_breakdown"]["rows"]:
+        if row["setting"] == setting and row["n"] == tokens and "vs_none" in row:
+            return dict(ratio=row["vs_none"], peak_vs_snapkv=row.get("peak_vs_snapkv"), source=speed_json)
+    raise ValueError(f"gpu: no setting {setting!r} at {tokens} tokens in {speed_json}")
+
+
 def collect(points_file: str) -> dict:
     """Every point's numbers (see the module docstring)."""
     spec = PointsFile(**load_yaml(Path(points_file), Path(points_file), PointsFile))
@@ -93,7 +107,7 @@ def collect(points_file: str) -> dict:
     kept_kl = float(spec.kl_kept)
     rows = []
     for point in spec.points:
-        row = dict(name=point["name"], ruler={}, kl=None, prefill_ratio=None, peak_gib=None)
+        row = dict(name=point["name"], ruler={}, kl=None, prefill_ratio=None, peak_gib=None, gpu=None)
         for kept, (run_dir, method) in (point.get("ruler") or {}).items():
             row["ruler"][str(kept)] = ruler_average(run_dir, method)
         if point.get("kl"):
@@ -103,9 +117,12 @@ def collect(points_file: str) -> dict:
             cpu, peak = prefill_cost(log, label)
             row["prefill_ratio"] = cpu / (base_cpu if log == base_log else prefill_cost(log, base_label)[0])
             row["peak_gib"] = peak
+        if point.get("gpu"):
+            row["gpu"] = gpu_cost(*point["gpu"], int(spec.gpu_tokens))
         rows.append(row)
     fractions = sorted({kept for row in rows for kept in row["ruler"]}, key=float)
-    return dict(fractions=fractions, kl_kept=kept_kl, baseline_peak_gib=base_peak, points=rows)
+    gpu = dict(tokens=int(spec.gpu_tokens), machine=spec.gpu_machine)
+    return dict(fractions=fractions, kl_kept=kept_kl, baseline_peak_gib=base_peak, gpu=gpu, points=rows)
 
 
 def markdown(result: dict) -> str:
@@ -113,6 +130,10 @@ def markdown(result: dict) -> str:
     head = ["setting", *[f"RULER-style avg, {float(f):.0%} kept" for f in fractions]]
     head += [f"KL / SnapKV at {result['kl_kept']:.0%} kept [95% CI]", "worst context", "CPU prefill / no press"]
     head += ["peak above start, GiB"]
+    on_gpu = any(row.get("gpu") for row in result["points"])
+    if on_gpu:
+        where = f"{result['gpu']['machine']}, {result['gpu']['tokens'] // 1024}k"
+        head += [f"GPU prefill / no press ({where})", "GPU peak / SnapKV's"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def fmt(value, pattern: str) -> str:
@@ -124,6 +145,9 @@ def markdown(result: dict) -> str:
         cells.append("-" if kl is None else f"{kl['ratio']:.2f} [{kl['low']:.2f}, {kl['high']:.2f}]")
         cells.append(fmt(kl and kl["worst"], "{:.2f}"))
         cells += [fmt(row["prefill_ratio"], "{:.2f}"), fmt(row["peak_gib"], "{:.3f}")]
+        if on_gpu:
+            gpu = row.get("gpu") or {}
+            cells += [fmt(gpu.get("ratio"), "{:.2f}"), fmt(gpu.get("peak_vs_snapkv"), "{:.3f}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -134,7 +158,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right, both) = plt.subplots(1, 3, figsize=(18, 5.2))
+    on_gpu = [row for row in result["points"] if row.get("gpu")]
+    fig, axes = plt.subplots(1, 4 if on_gpu else 3, figsize=(24 if on_gpu else 18, 5.2))
+    left, right, both = axes[:3]
     points = [row for row in result["points"] if row["prefill_ratio"] is not None]
     for marker, kept in zip("os^D", result["fractions"], strict=False):
         shown = [row for row in points if kept in row["ruler"]]
@@ -168,6 +194,15 @@ def plot(result: dict, path: Path) -> None:
         ylabel=f"RULER-style average, {float(first):.0%} kept" if first else "",
         title="Questions against continuation (top left is better)",
     )
+    if on_gpu:
+        gpu_axis = axes[3]
+        for marker, kept in zip("os^D", result["fractions"], strict=False):
+            shown = [row for row in on_gpu if kept in row["ruler"]]
+            gpu_axis.scatter([r["gpu"]["ratio"] for r in shown], [r["ruler"][kept] for r in shown], marker=marker)
+            for row in shown:
+                gpu_axis.annotate(row["name"], (row["gpu"]["ratio"], row["ruler"][kept]), fontsize=7)
+        where = f"{result['gpu']['machine']}, {result['gpu']['tokens'] // 1024}k tokens"
+        gpu_axis.set(xlabel=f"GPU prefill / no press ({where})", ylabel="RULER-style average", title="Against GPU cost")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -85,3 +85,29 @@ def test_a_missing_method_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "points.yaml").write_text(yaml.safe_dump(points))
     with pytest.raises(SystemExit, match="no method 'compresskv'"):
         frontier.main(["--points", str(tmp_path / "points.yaml"), "--output-dir", str(tmp_path / "out")])
+
+
+def test_gpu_columns_read_the_speed_breakdown_at_the_chosen_length(tmp_path: Path) -> None:
+    (tmp_path / "prefill.txt").write_text("exact kept=0.25 tokens=10 round 0: prefill 1.0 s wall, 2.0 s CPU\n")
+    rows = [
+        dict(n=8192, setting="default", vs_none=9.0, peak_vs_snapkv=9.0),  # another length: never read
+        dict(n=32768, setting="default", vs_none=1.17, peak_vs_snapkv=1.023),
+        dict(n=32768, setting="balanced", error="OutOfMemoryError"),  # a failed row has no ratio
+    ]
+    (tmp_path / "speed.json").write_text(json.dumps({"prefill_breakdown": {"rows": rows}}))
+    points = dict(
+        baseline_prefill=[str(tmp_path / "prefill.txt"), "exact"],
+        gpu_tokens=32768,
+        gpu_machine="H200",
+        points=[dict(name="default", gpu=[str(tmp_path / "speed.json"), "default"]), dict(name="cpu only")],
+    )
+    (tmp_path / "points.yaml").write_text(yaml.safe_dump(points))
+    out = tmp_path / "out"
+    assert frontier.main(["--points", str(tmp_path / "points.yaml"), "--output-dir", str(out)]) == 0
+    table = (out / "frontier.md").read_text()
+    assert "GPU prefill / no press (H200, 32k) | GPU peak / SnapKV's |" in table
+    assert "| default | - | - | - | - | 1.17 | 1.023 |" in table and "| cpu only | - | - | - | - | - | - |" in table
+    points["points"] = [dict(name="failed", gpu=[str(tmp_path / "speed.json"), "balanced"])]
+    (tmp_path / "points.yaml").write_text(yaml.safe_dump(points))
+    with pytest.raises(SystemExit, match="gpu: no setting 'balanced' at 32768 tokens"):
+        frontier.main(["--points", str(tmp_path / "points.yaml"), "--output-dir", str(out)])
