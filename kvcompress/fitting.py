@@ -24,7 +24,8 @@ lower the error on all of them; otherwise that head keeps the unfitted rows. Cos
 for the sums (m queries, n rows) and O(r k^2) for the solves (r kept rows).
 
 On a GPU every step is a batched tensor op with static shapes and no host sync: the n-long products run in
-float32, only the ``k x k`` systems and their right-hand sides in float64 (cheap at any GPU's float64 rate),
+float32 (on TF32 tensor cores for a bf16/fp16 context), only the ``k x k`` systems and their right-hand sides in
+float64 (cheap at any GPU's float64 rate),
 and the systems are solved by batched triangular solves (``torch.cholesky_solve`` with several right-hand
 sides loops over the batch on some CUDA builds: one library call per bin).
 """
@@ -259,69 +260,79 @@ def fit_kept_rows(
     head (the validation split).
     """
     with _tensor_core_products(keys.device, keys.dtype):
-        batch, heads_kv, n, dim = keys.shape
-        r, d_v = kept.shape[-1], values.shape[-1]
-        heads_q, m = queries.shape[1], queries.shape[2]
-        group = heads_q // heads_kv
-        problems = batch * heads_kv
-        flat_keys = keys.reshape(problems, n, dim).float()  # once, not per chunk of queries
-        flat_values = values.reshape(problems, n, d_v).float()
-        flat_kept = kept.reshape(problems, r)
-        grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
-        positions = None if query_positions is None else query_positions.to(keys.device).repeat(group)
+        return _fit(
+            keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values,
+            max_log_weight,
+        )  # fmt: skip
 
-        k = min(bin_rows, r)
-        bins = -(-r // k)
-        padded = torch.cat([flat_kept, flat_kept[:, -1:].expand(-1, bins * k - r)], dim=1)
-        pad = (torch.arange(bins * k, device=keys.device) >= r).reshape(bins, k).expand(problems, -1, -1)
-        # Bin of every position: (number of kept rows at or before it, minus one) // k; protected: -1.
-        at_or_before = torch.searchsorted(
-            flat_kept, torch.arange(n, device=keys.device).expand(problems, n).contiguous(), right=True
-        )
-        protected = protected.cpu()
-        owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(_sent(protected, keys.device)[None, :], -1)
-        protected_rows = _sent(protected.nonzero()[:, 0], keys.device)
 
-        # Fit on the even queries, validate on the odd ones. Every sum is over queries: the probabilities are held a
-        # chunk of queries at a time (peak memory bounded whatever the query count), the sums added up in float64.
-        step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
-        sums, checks = [], []
-        for start in (0, 1):
-            half = grouped[:, start::2]
-            half_positions = None if positions is None else positions[start::2]
-            total, chunks = None, []
-            for first in range(0, half.shape[1], step):
-                prob = _probabilities(
-                    half[:, first : first + step],
-                    flat_keys,
-                    scaling,
-                    None if half_positions is None else half_positions[first : first + step],
-                )
-                kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
-                part = _sums(prob, kept_prob, owner, flat_values, bins, k)
-                total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
-                chunks.append(_QuerySet.chunk(prob, kept_prob[..., :r], protected_rows, flat_values))
-                del prob, kept_prob
-            sums.append(total)
-            checks.append(_QuerySet.of_chunks(chunks))
-        prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
-        solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
+def _fit(
+    keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values, max_log_weight
+) -> FitResult:
+    """:func:`fit_kept_rows`'s work, with its arguments."""
+    batch, heads_kv, n, dim = keys.shape
+    r, d_v = kept.shape[-1], values.shape[-1]
+    heads_q, m = queries.shape[1], queries.shape[2]
+    group = heads_q // heads_kv
+    problems = batch * heads_kv
+    flat_keys = keys.reshape(problems, n, dim).float()  # once, not per chunk of queries
+    flat_values = values.reshape(problems, n, d_v).float()
+    flat_kept = kept.reshape(problems, r)
+    grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
+    positions = None if query_positions is None else query_positions.to(keys.device).repeat(group)
 
-        def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # float32, unpadded
-            return w.reshape(problems, bins * k)[:, :r].float(), v.reshape(problems, bins * k, d_v)[:, :r].float()
+    k = min(bin_rows, r)
+    bins = -(-r // k)
+    padded = torch.cat([flat_kept, flat_kept[:, -1:].expand(-1, bins * k - r)], dim=1)
+    pad = (torch.arange(bins * k, device=keys.device) >= r).reshape(bins, k).expand(problems, -1, -1)
+    # Bin of every position: (number of kept rows at or before it, minus one) // k; protected: -1.
+    at_or_before = torch.searchsorted(
+        flat_kept, torch.arange(n, device=keys.device).expand(problems, n).contiguous(), right=True
+    )
+    protected = protected.cpu()
+    owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(_sent(protected, keys.device)[None, :], -1)
+    protected_rows = _sent(protected.nonzero()[:, 0], keys.device)
 
-        ones, unfitted = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
-        plain = [check.error(ones, unfitted) for check in checks]
-        prior_values = prior_values.double()
-        held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
-        better_held_out = checks[1].error(held_w, held_v) < plain[1]
-        fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
-        better_in_sample = checks[0].error(fit_w, fit_v) + checks[1].error(fit_w, fit_v) < plain[0] + plain[1]
-        accepted = better_held_out & better_in_sample
-        weights = torch.where(accepted[:, None], fit_w, ones)
-        kept_values = torch.where(accepted[:, None, None], fit_v, unfitted).to(values.dtype)
-        return FitResult(
-            weights=weights.reshape(batch, heads_kv, r),
-            values=kept_values.reshape(batch, heads_kv, r, d_v),
-            accepted=accepted.reshape(batch, heads_kv),
-        )
+    # Fit on the even queries, validate on the odd ones. Every sum is over queries: the probabilities are held a
+    # chunk of queries at a time (peak memory bounded whatever the query count), the sums added up in float64.
+    step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
+    sums, checks = [], []
+    for start in (0, 1):
+        half = grouped[:, start::2]
+        half_positions = None if positions is None else positions[start::2]
+        total, chunks = None, []
+        for first in range(0, half.shape[1], step):
+            prob = _probabilities(
+                half[:, first : first + step],
+                flat_keys,
+                scaling,
+                None if half_positions is None else half_positions[first : first + step],
+            )
+            kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
+            part = _sums(prob, kept_prob, owner, flat_values, bins, k)
+            total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
+            chunks.append(_QuerySet.chunk(prob, kept_prob[..., :r], protected_rows, flat_values))
+            del prob, kept_prob
+        sums.append(total)
+        checks.append(_QuerySet.of_chunks(chunks))
+    prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
+    solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
+
+    def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # float32, unpadded
+        return w.reshape(problems, bins * k)[:, :r].float(), v.reshape(problems, bins * k, d_v)[:, :r].float()
+
+    ones, unfitted = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
+    plain = [check.error(ones, unfitted) for check in checks]
+    prior_values = prior_values.double()
+    held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
+    better_held_out = checks[1].error(held_w, held_v) < plain[1]
+    fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
+    better_in_sample = checks[0].error(fit_w, fit_v) + checks[1].error(fit_w, fit_v) < plain[0] + plain[1]
+    accepted = better_held_out & better_in_sample
+    weights = torch.where(accepted[:, None], fit_w, ones)
+    kept_values = torch.where(accepted[:, None, None], fit_v, unfitted).to(values.dtype)
+    return FitResult(
+        weights=weights.reshape(batch, heads_kv, r),
+        values=kept_values.reshape(batch, heads_kv, r, d_v),
+        accepted=accepted.reshape(batch, heads_kv),
+    )

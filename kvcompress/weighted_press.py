@@ -125,7 +125,7 @@ class WeightedSubsetPress(BasePress):
     _call: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (decoder, input_ids)
     _stream: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: whole pass
     _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
-    _positions: tuple = field(default=(None, False), init=False, repr=False, compare=False)  # (tensor, prefilling)
+    _positions: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _prefilling's
 
     def __post_init__(self) -> None:
         check_number("compression_ratio", self.compression_ratio, 0, 1)
@@ -234,7 +234,7 @@ class WeightedSubsetPress(BasePress):
         finally:
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
             self._prefilled, self._call, self._stream = False, (None, None), None
-            self._finite, self._positions = [], (None, False)
+            self._finite, self._positions = [], (None, None, False)
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
@@ -276,9 +276,10 @@ class WeightedSubsetPress(BasePress):
         """kvpress's ``is_prefilling``, read once per decoder call: its layers share one ``cache_position`` tensor,
         and reading a device tensor makes the host wait for the GPU (each layer's read would wait for that layer's
         forward, and the press's kernels would then be launched behind an idle GPU)."""
-        if self._positions[0] is not cache_position:
-            self._positions = (cache_position, is_prefilling(cache_position, n))
-        return self._positions[1]
+        key = (cache_position._version, n)  # a buffer written in place (a static-shape pipeline's) is read again
+        if self._positions[0] is not cache_position or self._positions[1] != key:
+            self._positions = (cache_position, key, is_prefilling(cache_position, n))
+        return self._positions[2]
 
     def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
         n = kwargs["hidden_states"].shape[1]

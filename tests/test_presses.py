@@ -342,3 +342,13 @@ def test_prefill_state_is_read_once_per_decoder_call(monkeypatch):
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     assert calls == [96, 1]
+
+
+def test_a_position_buffer_written_in_place_is_read_again():
+    """A static-shape pipeline may reuse one cache_position buffer: a new prefill in it is still seen as one."""
+    press = CompressKVPress(compression_ratio=0.5)
+    buffer = torch.arange(8, 16)  # a second chunk: not a prefill
+    assert not press._prefilling(buffer, 8)
+    buffer.copy_(torch.arange(8))  # the same buffer, now a fresh prefill of 8 tokens
+    assert press._prefilling(buffer, 8)
+    assert not press._prefilling(buffer, 1)  # another length: read again
