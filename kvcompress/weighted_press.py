@@ -242,7 +242,8 @@ class WeightedSubsetPress(BasePress):
         if not self._repeating:
             self._attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
             self._call, self._stream = (decoder, kwargs.get("input_ids", args[0] if args else None)), None
-            self._finite = []
+            # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.
+            self._finite, self._positions = [], (None, None, False)
 
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window
@@ -276,9 +277,8 @@ class WeightedSubsetPress(BasePress):
         """kvpress's ``is_prefilling``, read once per decoder call: its layers share one ``cache_position`` tensor,
         and reading a device tensor makes the host wait for the GPU (each layer's read would wait for that layer's
         forward, and the press's kernels would then be launched behind an idle GPU)."""
-        key = (cache_position._version, n)  # a buffer written in place (a static-shape pipeline's) is read again
-        if self._positions[0] is not cache_position or self._positions[1] != key:
-            self._positions = (cache_position, key, is_prefilling(cache_position, n))
+        if self._positions[0] is not cache_position or self._positions[1] != n:  # reset by every decoder call
+            self._positions = (cache_position, n, is_prefilling(cache_position, n))
         return self._positions[2]
 
     def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:

@@ -344,11 +344,16 @@ def test_prefill_state_is_read_once_per_decoder_call(monkeypatch):
     assert calls == [96, 1]
 
 
-def test_a_position_buffer_written_in_place_is_read_again():
-    """A static-shape pipeline may reuse one cache_position buffer: a new prefill in it is still seen as one."""
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_position_buffer_written_in_place_is_read_again_in_the_next_call(inference):
+    """A static-shape pipeline may reuse one cache_position buffer: a new prefill in it, in the next decoder call, is
+    still seen as one (inference tensors included: they keep no version counter)."""
     press = CompressKVPress(compression_ratio=0.5)
-    buffer = torch.arange(8, 16)  # a second chunk: not a prefill
-    assert not press._prefilling(buffer, 8)
-    buffer.copy_(torch.arange(8))  # the same buffer, now a fresh prefill of 8 tokens
-    assert press._prefilling(buffer, 8)
-    assert not press._prefilling(buffer, 1)  # another length: read again
+    with torch.inference_mode(inference):
+        buffer = torch.arange(8, 16)  # a second chunk: not a prefill
+        press._before_forward(None, (), {})
+        assert not press._prefilling(buffer, 8)
+        buffer.copy_(torch.arange(8))  # the same buffer, now a fresh prefill of 8 tokens
+        press._before_forward(None, (), {})
+        assert press._prefilling(buffer, 8)
+        assert not press._prefilling(buffer, 1)  # another length: read again
