@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eval.microbench import DTYPES, add_run_arguments, check_run_arguments, peak_mib, time_calls, write_json
+from eval.microbench import DTYPES, add_run_arguments, check_run_arguments, peak_mib, run_device, time_calls, write_json
 from kvcompress.fitting import fit_kept_rows
 
 SINK, WINDOW = 4, 64  # the default press's protected rows
@@ -98,9 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = run_device(args)
     rows, case = [], None
     print(
         f"{'context':>8} {'queries':>7} {'kept rows':>9} {'median ms':>10} {'min ms':>8} {'x layers s':>10} "

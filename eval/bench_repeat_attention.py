@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eval.microbench import DTYPES, add_run_arguments, check_run_arguments, peak_mib, time_calls, write_json
+from eval.microbench import DTYPES, add_run_arguments, check_run_arguments, peak_mib, run_device, time_calls, write_json
 from eval.speed.clock import release
 from kvcompress import hf_attention
 from kvcompress.hf_attention import kvcompress_attention, new_tokens_see_all_cached
@@ -86,9 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = run_device(args)
     rows = []
     print(
         f"{'context':>8} {'variant':>12} {'median ms':>10} {'min ms':>8} {'pass s':>8} {'peak MiB':>8} max diff  path"

@@ -38,6 +38,13 @@ def check_run_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) ->
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
 
 
+def run_device(args: argparse.Namespace) -> torch.device:
+    """Apply the run flags of :func:`add_run_arguments` (torch's CPU threads when given) and return the device."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return torch.device(args.device)
+
+
 def time_calls(fn: Callable[[], Any], warmup: int, repeats: int, device: torch.device) -> tuple[list[float], Any]:
     """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` (each call device-synchronised), and the last result."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
