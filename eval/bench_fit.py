@@ -8,8 +8,10 @@ per-head mean offset, as real keys do. Each row: median and min over ``--repeats
 device-synchronised host clock, and that median times ``--layers`` (the fit's share of one prefill); the peak
 memory one call allocates above its inputs (CUDA: the allocator's peak; CPU: the process's peak resident memory,
 reset before the call, on Linux).
-``--profile`` prints the top operators of one more call (device time on CUDA, CPU time otherwise): where the
-time goes. On CPU the seconds are this machine's; ratios within one run are the figures to compare.
+``--backends torch triton`` times the fit's two paths on the same cases (the fused kernels run on CUDA, or on CPU
+under ``TRITON_INTERPRET=1``, far slower there). ``--profile`` prints the top operators of one more call (device
+time on CUDA, CPU time otherwise): where the time goes. On CPU the seconds are this machine's; ratios within one
+run are the figures to compare.
 
 Run from the repository root: ``python -m eval.bench_fit [--device cuda] [--profile] [--output results/...json]``.
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 from typing import Any
 
 import torch
 
 from eval.microbench import DTYPES, add_run_arguments, check_run_arguments, peak_mib, run_device, time_calls, write_json
+from kvcompress._checks import BACKENDS
 from kvcompress.fitting import fit_kept_rows
 
 SINK, WINDOW = 4, 64  # the default press's protected rows
@@ -58,20 +62,20 @@ def make_case(
     )
 
 
-def _call(case: dict[str, Any]):
+def _call(case: dict[str, Any], backend: str = "auto"):
     return fit_kept_rows(
         case["keys"], case["values"], case["kept"], case["protected"], case["queries"], case["scaling"],
-        query_positions=case["query_positions"],
+        query_positions=case["query_positions"], backend=backend,
     )  # fmt: skip
 
 
-def profile_case(case: dict[str, Any], device: torch.device, rows: int = 15) -> str:
+def profile_case(case: dict[str, Any], device: torch.device, backend: str = "auto", rows: int = 15) -> str:
     """The top operators of one call by self device time (CUDA) or self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        _call(case)
+        _call(case, backend)
         if device.type == "cuda":
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -83,6 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768], help="context tokens (default 8k 32k)")
     p.add_argument("--queries", type=int, nargs="+", default=[64, 320], help="reference queries per query head")
     p.add_argument("--kept", type=float, default=0.25, help="kept fraction of each context, in (0, 1] (default 0.25)")
+    p.add_argument(
+        "--backends", nargs="+", choices=BACKENDS, default=["auto"],
+        help="fit paths, a row each: torch (probabilities held), triton (fused kernels), auto (default)",
+    )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print the top operators of the last row's case")
     add_run_arguments(p)
     args = p.parse_args(argv)
@@ -101,29 +109,28 @@ def main(argv: list[str] | None = None) -> int:
     device = run_device(args)
     rows, case = [], None
     print(
-        f"{'context':>8} {'queries':>7} {'kept rows':>9} {'median ms':>10} {'min ms':>8} {'x layers s':>10} "
-        f"{'peak MiB':>8} accepted"
+        f"{'backend':>7} {'context':>8} {'queries':>7} {'kept rows':>9} {'median ms':>10} {'min ms':>8} "
+        f"{'x layers s':>10} {'peak MiB':>8} accepted"
     )
-    for context in args.contexts:
-        for m in args.queries:
-            case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
-            call = functools.partial(_call, case)
-            peak = peak_mib(call, device)  # the case's first call: the least freed memory to reuse
-            seconds, result = time_calls(call, args.warmup, args.repeats, device)
-            accepted = float(result.accepted.float().mean())  # fraction of heads whose fit was accepted
-            median = statistics.median(seconds)
-            row = dict(
-                context=context, queries=m, kept_rows=int(case["kept"].shape[-1]), median_ms=1e3 * median,
-                min_ms=1e3 * min(seconds), model_s=median * args.layers, accepted=accepted, samples=len(seconds),
-                peak_mib=peak,
-            )  # fmt: skip
-            rows.append(row)
-            print(
-                f"{context:>8} {m:>7} {row['kept_rows']:>9} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} "
-                f"{row['model_s']:>10.3f} {'-' if peak is None else f'{peak:.0f}':>8} {accepted:.2f}"
-            )
+    for context, m, backend in itertools.product(args.contexts, args.queries, args.backends):
+        case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
+        call = functools.partial(_call, case, backend)
+        peak = peak_mib(call, device)  # the case's first call: the least freed memory to reuse
+        seconds, result = time_calls(call, args.warmup, args.repeats, device)
+        accepted = float(result.accepted.float().mean())  # fraction of heads whose fit was accepted
+        median = statistics.median(seconds)
+        row = dict(
+            backend=backend, context=context, queries=m, kept_rows=int(case["kept"].shape[-1]),
+            median_ms=1e3 * median, min_ms=1e3 * min(seconds), model_s=median * args.layers, accepted=accepted,
+            samples=len(seconds), peak_mib=peak,
+        )  # fmt: skip
+        rows.append(row)
+        print(
+            f"{backend:>7} {context:>8} {m:>7} {row['kept_rows']:>9} {row['median_ms']:>10.2f} "
+            f"{row['min_ms']:>8.2f} {row['model_s']:>10.3f} {'-' if peak is None else f'{peak:.0f}':>8} {accepted:.2f}"
+        )
     if args.profile and case is not None:
-        print(profile_case(case, device))
+        print(profile_case(case, device, args.backends[-1]))
     if args.output:
         write_json(args.output, "eval.bench_fit", argv, rows, args)
     return 0

@@ -23,11 +23,12 @@ queries, it must lower the attention-output error on the odd ones, and fitted on
 lower the error on all of them; otherwise that head keeps the unfitted rows. Cost per head: O(m n (k + d))
 for the sums (m queries, n rows) and O(r k^2) for the solves (r kept rows).
 
-On a GPU every step is a batched tensor op with static shapes and no host sync: the n-long products run in
-float32 (on TF32 tensor cores for a bf16/fp16 context), only the ``k x k`` systems and their right-hand sides in
-float64 (cheap at any GPU's float64 rate),
-and the systems are solved by batched triangular solves (``torch.cholesky_solve`` with several right-hand
-sides loops over the batch on some CUDA builds: one library call per bin).
+The sums over the queries are :mod:`kvcompress.fit_equations`'s: on CPU from the probabilities held a chunk of
+queries at a time, on a GPU from two fused Triton kernels that never hold them. Every step is a batched tensor op
+with static shapes and no host sync: the n-long products run in float32 (on TF32 tensor cores for a bf16/fp16
+context), only the ``k x k`` systems and their right-hand sides in float64 (cheap at any GPU's float64 rate), and
+the systems are solved by batched triangular solves (``torch.cholesky_solve`` with several right-hand sides loops
+over the batch on some CUDA builds: one library call per bin).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 25
-_QUERY_CHUNK_ELEMENTS = 1 << 25  # probabilities held at once: [P, queries, n] float32, 128 MiB
+from kvcompress._checks import check_backend
+from kvcompress.fit_equations import fused_kernels, normal_equations
 
 
 @contextlib.contextmanager
@@ -80,82 +81,6 @@ class FitResult:
     weights: torch.Tensor
     values: torch.Tensor
     accepted: torch.Tensor
-
-
-def _probabilities(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, positions: torch.Tensor | None
-) -> torch.Tensor:
-    """Softmax over all n keys (query i sees key j only if ``j <= positions[i]``), in the one logits buffer:
-    queries ``[P, M, d]``, keys ``[P, n, d]`` float32 -> ``[P, M, n]`` float32."""
-    prob = (queries.float() @ keys.transpose(-1, -2)).mul_(scaling)
-    if positions is not None:
-        prob.masked_fill_(torch.arange(prob.shape[-1], device=prob.device) > positions[:, None], -math.inf)
-    prob.sub_(prob.amax(-1, keepdim=True)).exp_()  # every query sees key 0: no row is all -inf
-    return prob.div_(prob.sum(-1, keepdim=True))
-
-
-def _sums(
-    prob: torch.Tensor, a: torch.Tensor, owner: torch.Tensor, values: torch.Tensor, bins: int, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normal-equation pieces of one query set: Gram ``[P, T, k, k]``, mass rhs ``[P, T, k]``, value rhs
-    ``[P, T, k, d]``, float64 (the products behind them float32). ``prob [P, M, n]`` and ``values [P, n, d]``
-    float32; ``a [P, M, T * k]``: ``prob`` at the (padded) kept rows; ``owner [P, n]``: bin of each position
-    (-1: protected), non-decreasing along positions.
-
-    With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
-    ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``,
-    where ``c_ji = sum_q p_j(q) a_ti(q)``: a matmul over the queries per block of ``k`` positions against
-    the only bins such a block can touch. Each bin spans at least ``k`` positions (from its first kept row
-    to the next bin's), so ``k`` consecutive positions meet at most 2 bins: ``O(n M k)`` work for all
-    ``c``, static shapes, no device sync.
-    """
-    problems, m, n = prob.shape
-    d = values.shape[-1]
-    blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)  # [P, T, k, M]
-    gram = (blocks @ blocks.transpose(-1, -2)).double()
-    mass = prob.new_zeros(problems, bins, k)
-    value_rhs = prob.new_zeros(problems, bins, k, d)
-    touched = 1 if k == 1 else 2  # bins a block of k positions can meet
-    width = touched * k
-    count = -(-n // k)
-    owner = torch.nn.functional.pad(owner, (0, count * k - n), value=-1)
-    a_rows = a.transpose(1, 2)  # [P, T * k, M]
-    # First bin of each block (protected-only blocks: clamped, their c is zeroed below).
-    owner_blocks = owner.reshape(problems, count, k)
-    low = owner_blocks.masked_fill(owner_blocks < 0, bins - 1).amin(-1)  # [P, count]
-    slots = torch.arange(k, device=prob.device)
-    columns = torch.arange(width, device=prob.device)
-    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, width * d, width * k)))
-    for first in range(0, count, step):
-        last = min(count, first + step)
-        chunk = last - first
-        lows = low[:, first:last]  # [P, c]
-        index = (lows[..., None] * k + columns).clamp_max(bins * k - 1).reshape(problems, -1)
-        near = a_rows.gather(1, index[..., None].expand(-1, -1, m)).reshape(problems, chunk, width, m)
-        span = slice(first * k, last * k)
-        tail = last * k - min(n, last * k)  # zero positions after the last one (last chunk only)
-        chunk_prob, chunk_values = prob[:, :, span], values[:, span]
-        if tail:
-            chunk_prob = torch.nn.functional.pad(chunk_prob, (0, tail))
-            chunk_values = torch.nn.functional.pad(chunk_values, (0, 0, 0, tail))
-        block_prob = chunk_prob.reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
-        c_all = block_prob @ near.transpose(-1, -2)  # [P, c, k(positions), width]
-        owners = owner[:, span].reshape(problems, chunk, k)
-        nearby = (owners - lows[..., None]).clamp(0, touched - 1)  # each position's bin among the block's
-        local = (nearby * k)[..., None] + slots
-        c = c_all.gather(3, local) * (owners >= 0)[..., None]  # [P, c, k(positions), k]
-        # Per block and nearby bin: sum over its positions of c (mass) and of c v (values), one small product.
-        split = torch.nn.functional.one_hot(nearby, touched).to(c.dtype)[..., None] * c[..., None, :]  # [P,c,k,u,k]
-        block_mass = split.sum(2).reshape(problems, chunk * touched, k)
-        block_values = split.reshape(problems, chunk, k, width).transpose(-1, -2) @ chunk_values.reshape(
-            problems, chunk, k, d
-        )  # [P, c, u * k, d]
-        target = (lows[..., None] + columns[:touched]).clamp_max(bins - 1).reshape(problems, chunk * touched)
-        mass.scatter_add_(1, target[..., None].expand(-1, -1, k), block_mass)
-        value_rhs.scatter_add_(
-            1, target[..., None, None].expand(-1, -1, k, d), block_values.reshape(problems, chunk * touched, k, d)
-        )
-    return gram, mass.double(), value_rhs.double()
 
 
 def _solve(
@@ -206,22 +131,6 @@ class _QuerySet:
     numerator: torch.Tensor
     denominator: torch.Tensor
 
-    @staticmethod
-    def chunk(prob: torch.Tensor, kept_prob: torch.Tensor, protected_rows: torch.Tensor, values: torch.Tensor) -> tuple:
-        """The four parts of the queries of ``prob [P, M, n]`` (``kept_prob``: at the kept rows; the protected
-        rows: the few sink and window rows)."""
-        guarded = prob.index_select(2, protected_rows)  # [P, M, p]
-        return (
-            kept_prob,
-            prob @ values,
-            guarded @ values.index_select(1, protected_rows),
-            guarded.sum(-1),
-        )
-
-    @classmethod
-    def of_chunks(cls, chunks: list[tuple]) -> _QuerySet:
-        return cls(*(torch.cat(parts, 1) for parts in zip(*chunks, strict=True)))
-
     def error(self, weights: torch.Tensor, kept_values: torch.Tensor) -> torch.Tensor:
         """Squared error ``[P]`` of weighted attention over protected + kept rows against exact attention;
         ``weights [P, r]``, ``kept_values [P, r, d]`` float32."""
@@ -245,6 +154,7 @@ def fit_kept_rows(
     ridge: float = 0.1,
     fit_values: bool = True,
     max_log_weight: float = 3.0,
+    backend: str = "auto",
 ) -> FitResult:
     """Fit the kept rows of a context to reference queries (module docstring).
 
@@ -257,25 +167,28 @@ def fit_kept_rows(
     (post-RoPE, ``h_q`` a multiple of ``h_kv``; every query head of a group is a reference query of its KV
     head); ``query_positions`` ``[m]`` as in :func:`kvcompress.selection.attention_mass`. ``fit_values=False``
     fits only the mass and scales the kept values with it (``V_S = w v``). Needs at least 2 queries per KV
-    head (the validation split).
+    head (the validation split). ``backend``: ``"torch"`` holds the probabilities a chunk of queries at a time;
+    ``"triton"`` never holds them (:mod:`kvcompress.kernels.fit_products`: CUDA tensors, or CPU ones under
+    ``TRITON_INTERPRET=1``); ``"auto"``: the kernels on CUDA where they can run, else the PyTorch path.
     """
+    check_backend(backend)
     with _tensor_core_products(keys.device, keys.dtype):
         return _fit(
             keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values,
-            max_log_weight,
+            max_log_weight, backend,
         )  # fmt: skip
 
 
 def _fit(
-    keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values, max_log_weight
-) -> FitResult:
+    keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values, max_log_weight,
+    backend,
+) -> FitResult:  # fmt: skip
     """:func:`fit_kept_rows`'s work, with its arguments."""
     batch, heads_kv, n, dim = keys.shape
     r, d_v = kept.shape[-1], values.shape[-1]
     heads_q, m = queries.shape[1], queries.shape[2]
     group = heads_q // heads_kv
     problems = batch * heads_kv
-    flat_keys = keys.reshape(problems, n, dim).float()  # once, not per chunk of queries
     flat_values = values.reshape(problems, n, d_v).float()
     flat_kept = kept.reshape(problems, r)
     grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
@@ -293,28 +206,17 @@ def _fit(
     owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(_sent(protected, keys.device)[None, :], -1)
     protected_rows = _sent(protected.nonzero()[:, 0], keys.device)
 
-    # Fit on the even queries, validate on the odd ones. Every sum is over queries: the probabilities are held a
-    # chunk of queries at a time (peak memory bounded whatever the query count), the sums added up in float64.
-    step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
+    # Fit on the even queries, validate on the odd ones (the sums are over queries: fit_equations).
+    kernels = fused_kernels(keys, values, k, backend)
     sums, checks = [], []
     for start in (0, 1):
-        half = grouped[:, start::2]
         half_positions = None if positions is None else positions[start::2]
-        total, chunks = None, []
-        for first in range(0, half.shape[1], step):
-            prob = _probabilities(
-                half[:, first : first + step],
-                flat_keys,
-                scaling,
-                None if half_positions is None else half_positions[first : first + step],
-            )
-            kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
-            part = _sums(prob, kept_prob, owner, flat_values, bins, k)
-            total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
-            chunks.append(_QuerySet.chunk(prob, kept_prob[..., :r], protected_rows, flat_values))
-            del prob, kept_prob
+        total, parts = normal_equations(
+            kernels, grouped[:, start::2], half_positions, keys.reshape(problems, n, dim),
+            values.reshape(problems, n, d_v), flat_values, scaling, padded, owner, protected_rows, bins, k, r,
+        )  # fmt: skip
         sums.append(total)
-        checks.append(_QuerySet.of_chunks(chunks))
+        checks.append(_QuerySet(*parts))
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
     solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prefill-cost numbers of a CUDA machine (kvpress 0.5.5 and transformers 5.2 importable): the attention-mass
-# kernel's tests and the repeat pass's lower-right attention tests compiled, the fit alone per layer with its top
-# CUDA operators (`python -m eval.bench_fit --profile`, 8k and 32k, 64 and 320 queries), one repeat chunk's
+# kernel's, the fit's fused kernels' and the repeat pass's lower-right attention tests compiled, the fit alone per
+# layer on both its paths with the fused path's top CUDA operators (`python -m eval.bench_fit --backends torch
+# triton --profile`, 8k and 32k, 64 and 320 queries), one repeat chunk's
 # attention masked and lower-right (`python -m eval.bench_repeat_attention`), then `python -m eval.speed --only
 # prefill` (breakdown per setting + one layer's mass) one context length per call, so that each stays within a few
 # minutes. Outputs under $OUT (default results/speed/prefill_cost/). Usage: bash scripts/gpu_prefill_cost.sh
@@ -16,15 +17,16 @@ OUT=${OUT:-results/speed/prefill_cost}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-"$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
+"$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_kernel_fit_products.py tests/test_selection_fitting.py \
+    tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
 "$PYTHON" -m eval.probe_syncs --output "$OUT/syncs.json" > "$OUT/syncs.log" 2>&1
 echo "probe_syncs: exit $?"
 grep -v "^ " "$OUT/syncs.log"
 run_bench_fit() {
-    "$PYTHON" -m eval.bench_fit --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
+    "$PYTHON" -m eval.bench_fit --backends torch triton --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
     echo "bench_fit: exit $?"
-    head -8 "$OUT/bench_fit.log"
+    head -10 "$OUT/bench_fit.log"
 }
 [ "${FIT_AFTER_FIRST:-0}" = 1 ] || run_bench_fit
 "$PYTHON" -m eval.bench_repeat_attention --output "$OUT/bench_repeat_attention.json" > "$OUT/bench_repeat_attention.log" 2>&1

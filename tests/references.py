@@ -28,3 +28,15 @@ def float64_attention_mass(queries, keys, scaling, query_positions=None, *, redu
             else:
                 out[b, h // group] = torch.maximum(out[b, h // group], probs.amax(0))
     return out
+
+
+def float64_fit_rows(queries, keys, values, scaling, positions=None):
+    """The fit's per-row softmax over all keys by definition, in float64 on the CPU: queries ``[P, M, d]``, keys
+    ``[P, n, d]``, values ``[P, n, d_v]``, row r seeing keys ``j <= positions[r]``. Returns the probabilities
+    ``[P, M, n]``, the natural log-sum-exp ``[P, M]`` and the attention output ``[P, M, d_v]``."""
+    logits = scaling * queries.cpu().double() @ keys.cpu().double().transpose(-1, -2)
+    if positions is not None:
+        logits = logits.masked_fill(torch.arange(keys.shape[1])[None, :] > positions.cpu()[:, None], -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    prob = (logits - lse[..., None]).exp()
+    return prob, lse, prob @ values.cpu().double()

@@ -22,7 +22,7 @@ def test_smoke_run_reports_every_row_and_the_profile(tmp_path: Path, capsys: pyt
     printed = capsys.readouterr().out
     assert "median ms" in printed and "aten::" in printed and f"wrote {output}" in printed
     data = json.loads(output.read_text())
-    assert [(r["context"], r["queries"]) for r in data["rows"]] == [(400, 8), (400, 70)]
+    assert [(r["context"], r["queries"], r["backend"]) for r in data["rows"]] == [(400, 8, "auto"), (400, 70, "auto")]
     for row in data["rows"]:
         assert row["kept_rows"] == 100 - 68 and row["samples"] == 2
         assert 0 < row["min_ms"] <= row["median_ms"] and row["model_s"] == pytest.approx(3 * row["median_ms"] / 1e3)
@@ -45,7 +45,7 @@ def test_cases_follow_the_press_conventions() -> None:
 @pytest.mark.parametrize(
     "bad, flag",
     [(["--kept", "0"], "--kept"), (["--heads", "6", "4"], "--heads"), (["--contexts", "50"], "--contexts"),
-     (["--queries", "1"], "--queries"), (["--repeats", "0"], "--repeats")],
+     (["--queries", "1"], "--queries"), (["--repeats", "0"], "--repeats"), (["--backends", "cuda"], "--backends")],
 )  # fmt: skip
 def test_bad_arguments_exit_with_a_message(bad: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress import CompressKVPress, fitting, reference
+from kvcompress import CompressKVPress, fit_equations, reference
 from kvcompress.reference import novel_pieces, post_rope_queries, spread_pieces
 from tests.references import float64_attention_mass
 from tests.test_press_options import compressed_cache, tokens
@@ -22,7 +22,7 @@ def float64_mass(queries, keys, scaling, query_positions=None, *, reduce="sum", 
 
 
 def dense_sums(prob, kept_prob, owner, values, bins, k):
-    """fitting._sums by its definition: every kept row's cross sums against every position, then own bin."""
+    """fit_equations.held_sums by its definition: every kept row's cross sums against every position, then own bin."""
     problems, m, n = prob.shape
     a = kept_prob.double()
     blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)
@@ -45,7 +45,7 @@ def test_default_keeps_its_cache_under_the_reference_definitions(monkeypatch):
     context = tokens(CONTEXT, 4)
     now = compressed_cache(model, CompressKVPress(compression_ratio=0.75, seed=1), context)
     monkeypatch.setattr(reference, "attention_mass", float64_mass)
-    monkeypatch.setattr(fitting, "_sums", dense_sums)
+    monkeypatch.setattr(fit_equations, "held_sums", dense_sums)
     before = compressed_cache(model, CompressKVPress(compression_ratio=0.75, seed=1), context)
     for layer, ref in zip(now.layers, before.layers, strict=True):
         assert torch.equal(layer.keys, ref.keys)  # the same rows: kept keys are the cache's own rows

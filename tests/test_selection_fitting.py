@@ -170,7 +170,7 @@ def test_weights_only_fit_scales_kept_values_and_low_precision_stays_finite():
 def test_fit_is_batched_over_heads_and_position_blocks(monkeypatch):
     """No per-head logic: fitting all (batch row, KV head) problems at once equals fitting each alone, and
     cutting the positions into many blocks (some holding only protected rows) changes only rounding."""
-    from kvcompress import fitting
+    from kvcompress import fit_equations
 
     g = _generator(9)
     keys, values = torch.randn(2, 3, 200, 16, generator=g) * 1.5, torch.randn(2, 3, 200, 16, generator=g)
@@ -188,7 +188,7 @@ def test_fit_is_batched_over_heads_and_position_blocks(monkeypatch):
             assert bool(alone.accepted) == bool(batched.accepted[b, h])
             torch.testing.assert_close(alone.weights[0, 0], batched.weights[b, h], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(alone.values[0, 0], batched.values[b, h], rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(fitting, "_CHUNK_ELEMENTS", 100)  # blocks of 8 positions
+    monkeypatch.setattr(fit_equations, "_CHUNK_ELEMENTS", 100)  # blocks of 8 positions
     blocked = fit_kept_rows(keys, values, kept, protected, queries, 0.25, bin_rows=8)
     assert torch.equal(blocked.accepted, batched.accepted)
     torch.testing.assert_close(blocked.weights, batched.weights, rtol=1e-5, atol=1e-6)
@@ -198,7 +198,7 @@ def test_fit_is_batched_over_heads_and_position_blocks(monkeypatch):
 def test_fit_holds_the_probabilities_a_chunk_of_queries_at_a_time(monkeypatch):
     """The sums and checks are over queries: cutting the queries into chunks (the last one partial) bounds the
     probabilities held at once and changes only rounding."""
-    from kvcompress import fitting
+    from kvcompress import fit_equations
 
     g = _generator(11)
     keys, values = torch.randn(1, 2, 160, 16, generator=g) * 1.5, torch.randn(1, 2, 160, 16, generator=g)
@@ -208,14 +208,14 @@ def test_fit_holds_the_probabilities_a_chunk_of_queries_at_a_time(monkeypatch):
     positions = torch.arange(137, 160)
     whole = fit_kept_rows(keys, values, kept, protected, queries, 0.25, query_positions=positions, bin_rows=8)
     held = []
-    probabilities = fitting._probabilities
+    probabilities = fit_equations._probabilities
 
     def recording(queries, *args):
         held.append(queries.shape[1])
         return probabilities(queries, *args)
 
-    monkeypatch.setattr(fitting, "_probabilities", recording)
-    monkeypatch.setattr(fitting, "_QUERY_CHUNK_ELEMENTS", 2 * 160 * 8)  # 8 queries of 2 problems x 160 keys
+    monkeypatch.setattr(fit_equations, "_probabilities", recording)
+    monkeypatch.setattr(fit_equations, "_QUERY_CHUNK_ELEMENTS", 2 * 160 * 8)  # 8 queries of 2 problems x 160 keys
     chunked = fit_kept_rows(keys, values, kept, protected, queries, 0.25, query_positions=positions, bin_rows=8)
     assert held == [8, 8, 8, 8, 3, 8, 8, 8, 8, 2]
     assert whole.accepted.any() and torch.equal(chunked.accepted, whole.accepted)

@@ -1,0 +1,252 @@
+"""The attention-matching fit's products over the ``m x n`` probabilities as two fused Triton kernels, so that the
+probabilities are never held (the fit's math: :mod:`kvcompress.fitting`).
+
+For one fit problem (a (batch row, KV head) pair) with query rows ``r`` (each with a last visible key
+``pos_r``), keys ``k_j`` and values ``v_j``::
+
+    p_rj = exp(s_rj - lse_r),   s_rj = scaling * <q_r, k_j>  (j <= pos_r),   lse_r = log sum_{j <= pos_r} exp(s_rj)
+
+* :func:`attention_rows`, one program per (problem, block of rows), FlashAttention's forward: ``lse_r`` and the
+  exact attention output ``sum_j p_rj v_j`` (the fit's validation target), online over the key tiles a row sees.
+* :func:`block_products`, one program per (problem, block of ``span`` positions): ``c[j, w] = sum_r p_rj a[r, w]``
+  for the block's positions ``j`` against ``width`` columns of ``a`` (the kept rows' probabilities) starting at
+  column ``low * bin_rows`` (``low``: the first bin the block meets), the products behind the fit's right-hand
+  sides (:func:`kvcompress.fit_equations._sums`). It recomputes each ``p_rj`` from the rows' ``lse_r``.
+
+Logit dots run on the inputs' dtype (bf16 / fp16 tensor cores; fp32 as IEEE fp32) with fp32 accumulation; the
+probabilities' products on TF32 for a 16-bit context (each probability rounded to TF32's 10-bit mantissa, as the
+PyTorch path's TF32 products round it) and IEEE fp32 for a float32 one. Any strides, no copies. Work per problem:
+``2 m n (2 d + d_v + width)`` FLOPs (the logits twice, the outputs, the products), memory ``O(m d_v + n width)``
+for the results, no ``m x n`` buffer. Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU
+tensors (tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_WIDTH = 128  # columns of a block's products (one fp32 accumulator tile [span, width] per program)
+LOG2E = 1.4426950408889634
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
+
+
+@triton.jit
+def _load_rows(q_base, pos_ptr, r0, M, N, s_qm, s_qd, s_p, offs_d, d_mask,
+               BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """One block of query rows ``[BLOCK_M, D]``, their row indices, validity and last visible key (-1: no row)."""
+    offs_m = r0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    if HAS_POS:
+        row_pos = tl.load(pos_ptr + offs_m * s_p, mask=m_mask, other=-1)
+    else:
+        row_pos = tl.zeros([BLOCK_M], tl.int64) + (N - 1)
+    return q, tl.where(m_mask, row_pos, -1), offs_m, m_mask
+
+
+@triton.jit
+def _attention_rows_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, lse_ptr, out_ptr,
+    M, N, D, DV, qk_scale,
+    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_vp, s_vn, s_vd, s_p, s_op, s_om, s_od,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_POS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (problem, row block): ``lse_r`` (log2 units) and ``sum_j p_rj v_j`` of every row."""
+    prob = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    q, row_pos, offs_m, m_mask = _load_rows(
+        q_ptr + prob * s_qp, pos_ptr, tl.program_id(1) * BLOCK_M, M, N, s_qm, s_qd, s_p, offs_d, d_mask,
+        BLOCK_M, HAS_POS, DOT_FP32,
+    )  # fmt: skip
+    hi = tl.minimum(N, tl.max(row_pos, 0) + 1).to(tl.int32)  # keys past every row's position are never read
+    k_base = k_ptr + prob * s_kp
+    v_base = v_ptr + prob * s_vp
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        kt = tl.load(k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd,
+                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= row_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd,
+                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    seen = l_i > 0
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(lse_ptr + prob * M + offs_m, lse, mask=m_mask)
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(out_ptr + prob * s_op + offs_m[:, None] * s_om + offs_dv[None, :] * s_od, out,
+             mask=m_mask[:, None] & dv_mask[None, :])  # fmt: skip
+
+
+@triton.jit
+def _block_products_kernel(
+    q_ptr, k_ptr, pos_ptr, lse_ptr, a_ptr, low_ptr, c_ptr,
+    M, N, D, COLS, SPAN, WIDTH, BIN_ROWS, qk_scale,
+    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_p, s_ap, s_am, s_ac, s_lp, s_lb, s_cp, s_cb, s_cs, s_cw,
+    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (problem, block of SPAN positions): ``c[j, w] = sum_r p_rj a[r, low * BIN_ROWS + w]``."""
+    prob = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    slots = tl.arange(0, BLOCK_S)
+    first = block * SPAN
+    offs_s = first + slots
+    s_mask = (slots < SPAN) & (offs_s < N)
+    kt = tl.load(k_ptr + prob * s_kp + offs_s[None, :] * s_kn + offs_d[:, None] * s_kd,
+                 mask=d_mask[:, None] & s_mask[None, :], other=0.0)  # fmt: skip
+    if DOT_FP32:
+        kt = kt.to(tl.float32)
+    low = tl.load(low_ptr + prob * s_lp + block * s_lb)
+    columns = tl.arange(0, BLOCK_W)
+    offs_w = low * BIN_ROWS + columns
+    w_mask = (columns < WIDTH) & (offs_w < COLS)
+    a_base = a_ptr + prob * s_ap
+    acc = tl.zeros([BLOCK_S, BLOCK_W], tl.float32)
+    for r0 in range(0, M, BLOCK_M):
+        q, row_pos, offs_m, m_mask = _load_rows(
+            q_ptr + prob * s_qp, pos_ptr, r0, M, N, s_qm, s_qd, s_p, offs_d, d_mask, BLOCK_M, HAS_POS, DOT_FP32
+        )
+        if tl.max(row_pos, 0) >= first:  # some row of the block sees a position of this one
+            lse = tl.load(lse_ptr + prob * M + offs_m, mask=m_mask, other=float("inf"))
+            s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+            visible = s_mask[None, :] & (offs_s[None, :] <= row_pos[:, None])
+            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            a = tl.load(a_base + offs_m[:, None] * s_am + offs_w[None, :] * s_ac,
+                        mask=m_mask[:, None] & w_mask[None, :], other=0.0)  # fmt: skip
+            acc += tl.dot(tl.trans(p), a, input_precision=PRECISION)
+    tl.store(c_ptr + prob * s_cp + block * s_cb + slots[:, None] * s_cs + columns[None, :] * s_cw, acc,
+             mask=(slots < SPAN)[:, None] & (columns < WIDTH)[None, :])  # fmt: skip
+
+
+def unsupported_reason(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, width: int) -> str | None:
+    """Why the kernels cannot run these inputs, or None if they can."""
+    if queries.device.type != "cuda" and not INTERPRET:
+        return f"needs CUDA tensors (got {queries.device}); on CPU set TRITON_INTERPRET=1 before importing"
+    if queries.dtype not in SUPPORTED_DTYPES or keys.dtype != queries.dtype or values.dtype != queries.dtype:
+        dtypes = f"{queries.dtype}/{keys.dtype}/{values.dtype}"
+        return f"queries/keys/values must share a dtype of float16, bfloat16 or float32, got {dtypes}"
+    if not 1 <= queries.shape[-1] <= MAX_HEAD_DIM or not 1 <= values.shape[-1] <= MAX_HEAD_DIM:
+        return f"head dims must be in [1, {MAX_HEAD_DIM}], got {queries.shape[-1]} / {values.shape[-1]}"
+    if not 1 <= width <= MAX_WIDTH:
+        return f"width must be in [1, {MAX_WIDTH}], got {width}"
+    return None
+
+
+def _modes(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast the logits' inputs to fp32, precision of the probabilities' products) for an input dtype."""
+    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep 16-bit tensor-core dots).
+    dot_fp32 = dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
+    return dot_fp32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _positions(positions: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if positions is None:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return positions.to(device=device, dtype=torch.int64)
+
+
+def attention_rows(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    positions: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """queries ``[P, M, d]``, keys ``[P, n, d]``, values ``[P, n, d_v]`` (one dtype, any strides), ``positions``
+    ``[M]`` int (row r sees keys ``j <= positions[r]``, at least key 0; None: every key). Returns ``lse [P, M]``
+    float32 in log2 units (``log2 sum_j 2^(s_rj log2 e)``) and the attention output ``[P, M, d_v]`` float32."""
+    reason = unsupported_reason(queries, keys, values, 1)
+    if reason is not None:
+        raise ValueError(f"fit products kernel: {reason}")
+    problems, m, dim = queries.shape
+    n, d_v = keys.shape[1], values.shape[-1]
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_dv = max(16, triton.next_power_of_2(d_v))
+    wide = max(block_d, block_dv) > 128
+    block_m = block_m or (32 if wide else 64)
+    block_n = block_n or (32 if wide else 64)
+    lse = torch.empty(problems, m, dtype=torch.float32, device=queries.device)
+    out = torch.empty(problems, m, d_v, dtype=torch.float32, device=queries.device)
+    pos = _positions(positions, queries.device)
+    dot_fp32, precision = _modes(queries.dtype)
+    _attention_rows_kernel[(problems, triton.cdiv(m, block_m))](
+        queries, keys, values, pos, lse, out, m, n, dim, d_v, scaling * LOG2E,
+        *queries.stride(), *keys.stride(), *values.stride(), pos.stride(0), *out.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_POS=positions is not None, DOT_FP32=dot_fp32, PRECISION=precision,
+        num_warps=8 if block_m * block_dv >= 64 * 128 else 4, num_stages=2,
+    )  # fmt: skip
+    return lse, out
+
+
+def block_products(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    positions: torch.Tensor | None,
+    lse: torch.Tensor,
+    kept_prob: torch.Tensor,
+    lows: torch.Tensor,
+    bin_rows: int,
+    span: int,
+    width: int,
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """queries ``[P, M, d]``, keys ``[P, n, d]`` and ``positions`` as in :func:`attention_rows`, ``lse [P, M]`` its
+    result; ``kept_prob [P, M, C]`` float32, ``lows [P, blocks]`` int64 (``blocks = ceil(n / span)``). Returns
+    ``[P, blocks, span, width]`` float32: block b's position ``b * span + i`` against columns
+    ``lows[:, b] * bin_rows + w`` of ``kept_prob`` (0 for positions >= n and columns >= C)."""
+    reason = unsupported_reason(queries, keys, keys, width)
+    if reason is not None:
+        raise ValueError(f"fit products kernel: {reason}")
+    problems, m, dim = queries.shape
+    n, cols = keys.shape[1], kept_prob.shape[-1]
+    blocks = lows.shape[1]
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_s = max(16, triton.next_power_of_2(span))
+    block_w = max(16, triton.next_power_of_2(width))
+    block_m = block_m or (32 if block_d > 128 else 64)
+    out = torch.empty(problems, blocks, span, width, dtype=torch.float32, device=queries.device)
+    pos = _positions(positions, queries.device)
+    dot_fp32, precision = _modes(queries.dtype)
+    _block_products_kernel[(problems, blocks)](
+        queries, keys, pos, lse, kept_prob, lows, out, m, n, dim, cols, span, width, bin_rows, scaling * LOG2E,
+        *queries.stride(), *keys.stride(), pos.stride(0), *kept_prob.stride(), *lows.stride(), *out.stride(),
+        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d,
+        HAS_POS=positions is not None, DOT_FP32=dot_fp32, PRECISION=precision,
+        num_warps=8 if block_s * block_w >= 64 * 128 else 4, num_stages=2,
+    )  # fmt: skip
+    return out

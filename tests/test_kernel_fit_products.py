@@ -1,0 +1,154 @@
+"""The fit's fused kernels (kvcompress.kernels.fit_products) against float64 definitions, and the fit through them
+against the PyTorch path's fit.
+
+The kernels run compiled on CUDA tensors where CUDA is present and in the Triton interpreter on CPU tensors
+elsewhere (tests/triton_mode.py). The float64 reference takes the same rounded inputs, so the input dtype's own
+rounding cancels: the logits' products of 16-bit inputs are exact in fp32 and only their fp32 accumulation differs
+(relative ~1e-6 of |s| <= ~10 here). What remains is the probabilities' products: TF32 for a 16-bit context on a GPU,
+which rounds (or truncates) each probability by up to 2^-10 relative, so a sum of non-negative terms is within
+2^-10 of itself and an attention output within 2^-10 max|v| (values in bf16 / fp16 are exact in TF32); IEEE fp32
+for a float32 context and in the interpreter (~1e-6). TOL is twice those bounds; sums are compared relative to
+their largest entry.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it)")
+
+import torch  # noqa: E402
+from triton_mode import DEVICE, INTERPRET  # noqa: E402
+
+from kvcompress import fit_equations, fitting  # noqa: E402
+from kvcompress.kernels import fit_products as kernel  # noqa: E402
+from tests.references import float64_fit_rows
+
+if kernel.INTERPRET != INTERPRET:
+    pytest.skip("kernel module was defined in the other Triton mode (imported too early)", allow_module_level=True)
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
+LOG2E = 1 / math.log(2)
+
+
+def make_inputs(problems, m, n, d, d_v, dtype, seed, strided=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(problems, 2 * m if strided else m, d, generator=gen) * 1.2
+    k = torch.randn(problems, n, d, generator=gen) * 1.2
+    v = torch.randn(problems, n, d_v, generator=gen)
+    q = q.to(DEVICE, dtype)
+    if strided:  # every other row: the fit's even/odd split of its queries, a view with row stride 2 d
+        q = q[:, ::2]
+        assert not q.is_contiguous()
+    return q, k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+
+
+CASES = [  # dtype, problems, m, n, d, d_v, causal, strided
+    (torch.float32, 2, 37, 91, 32, 32, False, False),  # odd lengths, one key tile per row block
+    (torch.float32, 3, 70, 150, 64, 48, True, True),  # several row blocks, d_v not a power of two, strided
+    (torch.float16, 1, 23, 77, 16, 16, True, False),
+    (torch.bfloat16, 2, 40, 131, 64, 64, False, True),
+    (torch.bfloat16, 2, 33, 65, 48, 32, True, False),
+]
+
+
+def _positions(m, n, causal, seed):
+    if not causal:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n, (m,), generator=gen).to(DEVICE)  # unsorted, some rows see a few keys only
+
+
+@pytest.mark.parametrize("dtype, problems, m, n, d, d_v, causal, strided", CASES)
+def test_attention_rows_match_float64(dtype, problems, m, n, d, d_v, causal, strided):
+    q, k, v = make_inputs(problems, m, n, d, d_v, dtype, seed=m + n, strided=strided)
+    positions = _positions(m, n, causal, seed=n)
+    lse, out = kernel.attention_rows(q, k, v, 0.3, positions, block_m=32, block_n=32)
+    _, lse64, out64 = float64_fit_rows(q, k, v, 0.3, positions)
+    assert lse.dtype == out.dtype == torch.float32 and out.shape == (problems, m, d_v)
+    torch.testing.assert_close(lse.cpu().double() / LOG2E, lse64, rtol=0, atol=1e-4)  # fp32 sums of exact logits
+    torch.testing.assert_close(out.cpu().double(), out64, rtol=0, atol=TOL[dtype] * out64.abs().amax())
+
+
+@pytest.mark.parametrize("dtype, problems, m, n, d, d_v, causal, strided", CASES)
+@pytest.mark.parametrize("k, span", [(16, 64), (8, 24), (1, 16)])
+def test_block_products_match_float64(dtype, problems, m, n, d, d_v, causal, strided, k, span):
+    q, keys, v = make_inputs(problems, m, n, d, d_v, dtype, seed=m * n + k, strided=strided)
+    positions = _positions(m, n, causal, seed=n + 1)
+    prob, lse64, _ = float64_fit_rows(q, keys, v, 0.3, positions)
+    gen = torch.Generator().manual_seed(k)
+    columns = 5 * k + 3  # fewer columns than some blocks' windows reach: those read as 0
+    kept_prob = torch.rand(problems, m, columns, generator=gen)
+    width = span if k == 1 else (span // k + 1) * k
+    blocks = -(-n // span)
+    lows = torch.randint(0, columns // k + 1, (problems, blocks), generator=gen).sort(-1).values
+    lse = (lse64 * LOG2E).float().to(DEVICE)
+    got = kernel.block_products(
+        q, keys, 0.3, positions, lse, kept_prob.to(DEVICE), lows.to(DEVICE), k, span, width, block_m=32
+    )
+    assert got.dtype == torch.float32 and got.shape == (problems, blocks, span, width)
+    padded_prob = torch.nn.functional.pad(prob, (0, blocks * span - n)).reshape(problems, m, blocks, span)
+    index = lows[..., None] * k + torch.arange(width)  # [P, blocks, width]
+    near = torch.nn.functional.pad(kept_prob.double(), (0, blocks * k + width))  # columns past the end: 0
+    near = near.gather(2, index.reshape(problems, 1, -1).expand(-1, m, -1)).reshape(problems, m, blocks, width)
+    expected = torch.einsum("pmbs,pmbw->pbsw", padded_prob, near)
+    scale = expected.abs().amax().clamp_min(1e-12)
+    torch.testing.assert_close(got.cpu().double() / scale, expected / scale, rtol=0, atol=TOL[dtype])
+
+
+def _fit_problem(dtype, seed, causal, bin_rows, heads_kv=2, group=3, m=24, n=260, d=32):
+    gen = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(1, heads_kv, n, d, generator=gen) * 1.2).to(DEVICE, dtype)
+    values = torch.randn(1, heads_kv, n, d, generator=gen).to(DEVICE, dtype)
+    queries = (torch.randn(1, heads_kv * group, m, d, generator=gen) * 1.2).to(DEVICE, dtype)
+    protected = torch.zeros(n, dtype=torch.bool)
+    protected[:4] = True
+    protected[-16:] = True
+    free = (~protected).nonzero()[:, 0]
+    kept = torch.stack(
+        [free[torch.randperm(len(free), generator=gen)[: n // 4]].sort().values for _ in range(heads_kv)]
+    )
+    positions = torch.arange(n - m, n).to(DEVICE) if causal else None
+    return keys, values, kept[None].to(DEVICE), protected, queries, d**-0.5, positions, bin_rows
+
+
+@pytest.mark.parametrize("causal, bin_rows, dtype", [(True, 16, torch.float32), (False, 8, torch.float32),
+                                                     (True, 1, torch.float32), (True, 16, torch.bfloat16)])  # fmt: skip
+def test_fit_through_the_fused_kernels_matches_the_pytorch_fit(causal, bin_rows, dtype, monkeypatch):
+    """The same fit problem through the kernels and through the held probabilities (forced on either path)."""
+    keys, values, kept, protected, queries, scaling, positions, bin_rows = _fit_problem(dtype, 7, causal, bin_rows)
+    args = (keys, values, kept, protected, queries, scaling)
+    options = dict(query_positions=positions, bin_rows=bin_rows, ridge=0.01)
+    fused = fitting.fit_kept_rows(*args, **options, backend="triton")
+    held = fitting.fit_kept_rows(*args, **options, backend="torch")
+    assert fitting.fit_kept_rows(*args, **options, backend="auto").accepted.equal(held.accepted)
+    if bin_rows == 8:  # the right-hand sides summed over many short runs of blocks: the same fit up to rounding
+        monkeypatch.setattr(fit_equations, "_CHUNK_ELEMENTS", 100)
+        blocked = fitting.fit_kept_rows(*args, **options, backend="triton")
+        assert torch.equal(blocked.accepted, fused.accepted)
+        torch.testing.assert_close(blocked.weights, fused.weights, rtol=1e-5, atol=1e-6)
+    assert fused.accepted.any() and torch.equal(fused.accepted, held.accepted)
+    # Both solve the same ridge systems from sums that differ by the probabilities' rounding: ~1e-6 relative in fp32
+    # (interpreter, float32 context), up to 2^-10 on a GPU's TF32 products, which both paths use there for a 16-bit
+    # context (the PyTorch path through _tensor_core_products). The solves amplify it (ridge 0.01 of the mean Gram
+    # diagonal): bounds of 100x (fp32) and 20 x 2^-10 (16-bit, the bound of the TF32 fit's own test), and the
+    # values' final rounding to the context's dtype.
+    tol = 1e-4 if dtype == torch.float32 else 20 * 2**-10
+    for got, want, rounding in (
+        (fused.weights, held.weights, 0.0),
+        (fused.values, held.values, 2 * torch.finfo(dtype).eps),
+    ):
+        scale = want.float().abs().amax()
+        torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0, atol=tol + rounding)
+
+
+def test_fit_backend_errors_name_the_parameter():
+    keys, values, kept, protected, queries, scaling, _, _ = _fit_problem(torch.float32, 3, False, 16)
+    with pytest.raises(ValueError, match="backend: must be one of 'auto', 'torch', 'triton', got 'cuda'"):
+        fitting.fit_kept_rows(keys, values, kept, protected, queries, scaling, backend="cuda")
+    with pytest.raises(
+        ValueError, match="backend='triton': bin_rows: must be at most 64 for the fused kernels, got 65"
+    ):
+        fitting.fit_kept_rows(keys, values, kept, protected, queries, scaling, bin_rows=80, backend="triton")
