@@ -168,6 +168,41 @@ def _modes(dtype: torch.dtype) -> tuple[bool, str]:
     return dot_fp32, "ieee" if dtype == torch.float32 else "tf32"
 
 
+def rows_config(
+    dim: int, d_v: int, dtype: torch.dtype, has_pos: bool, block_m: int | None = None, block_n: int | None = None
+) -> dict:
+    """Launch options of :func:`attention_rows` (its kernel's constexprs, warps and stages) for these sizes;
+    ``block_m`` / ``block_n`` (powers of two >= 16) override the tiles (tests)."""
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_dv = max(16, triton.next_power_of_2(d_v))
+    # Tiles without register spills on sm_90 (``python -m eval.compile_kernels``): the fp32 probabilities and values
+    # of the TF32 output product need more registers than FlashAttention's 16-bit ones.
+    if max(block_d, block_dv) > 128:
+        tiles = (16, 16, 4)
+    else:
+        tiles = (32, 32, 8) if dtype == torch.float32 else (64, 32, 8)
+    dot_fp32, precision = _modes(dtype)
+    return dict(
+        BLOCK_M=block_m or tiles[0], BLOCK_N=block_n or tiles[1], BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=tiles[2], num_stages=2,
+    )  # fmt: skip
+
+
+def products_config(
+    dim: int, span: int, width: int, dtype: torch.dtype, has_pos: bool, block_m: int | None = None
+) -> dict:
+    """Launch options of :func:`block_products` for these sizes; ``block_m`` overrides the row tile (tests)."""
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_s = max(16, triton.next_power_of_2(span))
+    block_w = max(16, triton.next_power_of_2(width))
+    dot_fp32, precision = _modes(dtype)
+    rows = 16 if dtype == torch.float32 else 32 if block_d > 128 else 64  # no spills on sm_90 (compile_kernels)
+    return dict(
+        BLOCK_M=block_m or rows, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d,
+        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=8, num_stages=2,
+    )  # fmt: skip
+
+
 def _positions(positions: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     if positions is None:
         return torch.zeros(1, dtype=torch.int64, device=device)
@@ -192,21 +227,13 @@ def attention_rows(
         raise ValueError(f"fit products kernel: {reason}")
     problems, m, dim = queries.shape
     n, d_v = keys.shape[1], values.shape[-1]
-    block_d = max(16, triton.next_power_of_2(dim))
-    block_dv = max(16, triton.next_power_of_2(d_v))
-    wide = max(block_d, block_dv) > 128
-    block_m = block_m or (32 if wide else 64)
-    block_n = block_n or (32 if wide else 64)
+    config = rows_config(dim, d_v, queries.dtype, positions is not None, block_m, block_n)
     lse = torch.empty(problems, m, dtype=torch.float32, device=queries.device)
     out = torch.empty(problems, m, d_v, dtype=torch.float32, device=queries.device)
     pos = _positions(positions, queries.device)
-    dot_fp32, precision = _modes(queries.dtype)
-    _attention_rows_kernel[(problems, triton.cdiv(m, block_m))](
+    _attention_rows_kernel[(problems, triton.cdiv(m, config["BLOCK_M"]))](
         queries, keys, values, pos, lse, out, m, n, dim, d_v, scaling * LOG2E,
-        *queries.stride(), *keys.stride(), *values.stride(), pos.stride(0), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_POS=positions is not None, DOT_FP32=dot_fp32, PRECISION=precision,
-        num_warps=8 if block_m * block_dv >= 64 * 128 else 4, num_stages=2,
+        *queries.stride(), *keys.stride(), *values.stride(), pos.stride(0), *out.stride(), **config,
     )  # fmt: skip
     return lse, out
 
@@ -235,18 +262,12 @@ def block_products(
     problems, m, dim = queries.shape
     n, cols = keys.shape[1], kept_prob.shape[-1]
     blocks = lows.shape[1]
-    block_d = max(16, triton.next_power_of_2(dim))
-    block_s = max(16, triton.next_power_of_2(span))
-    block_w = max(16, triton.next_power_of_2(width))
-    block_m = block_m or (32 if block_d > 128 else 64)
+    config = products_config(dim, span, width, queries.dtype, positions is not None, block_m)
     out = torch.empty(problems, blocks, span, width, dtype=torch.float32, device=queries.device)
     pos = _positions(positions, queries.device)
-    dot_fp32, precision = _modes(queries.dtype)
     _block_products_kernel[(problems, blocks)](
         queries, keys, pos, lse, kept_prob, lows, out, m, n, dim, cols, span, width, bin_rows, scaling * LOG2E,
         *queries.stride(), *keys.stride(), pos.stride(0), *kept_prob.stride(), *lows.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d,
-        HAS_POS=positions is not None, DOT_FP32=dot_fp32, PRECISION=precision,
-        num_warps=8 if block_s * block_w >= 64 * 128 else 4, num_stages=2,
+        **config,
     )  # fmt: skip
     return out
