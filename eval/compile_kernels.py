@@ -24,7 +24,6 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory a block may use (A100, H100 / H200)
-FIT_SPAN = 64  # positions per block of the fit's products (kvcompress.fit_equations._fused_span)
 
 
 def _signature(kernel, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
