@@ -1,6 +1,7 @@
-"""A pilot of issue 20's frontier, not part of the library (docs/BENCHMARKS.md, "Pilots not kept" or the section
-that kept it); it patches the press as of commit 6f43f66 and runs `kvcompress eval ...` (or `python -m eval.fidelity
-...` when the first argument is `fidelity`) with its arguments.
+"""A pilot of issue 20's frontier, not part of the library (docs/BENCHMARKS.md, "The repeat pass's scores on a
+GPU's terms"); it patches the press as of commit 6f43f66 (the library's scores unchanged since) and runs
+`kvcompress eval ...` (or `python -m eval.fidelity ...` when the first argument is `fidelity`; PYTHONPATH=. then)
+with its arguments.
 
 Experiment: the repeat pass's scores with KVzip's own normalisation (Kim et al., arXiv 2505.23416): each repeat
 query's probabilities over the context keys AND the repeated chunk's own keys before it (the softmax its attention
@@ -23,10 +24,12 @@ def record_repeat(module, kwargs, keys, reference, samples, total):
     n, chunk = keys.shape[-2], hidden.shape[1]
     every = kwargs["past_key_values"].layers[module.layer_idx].keys  # context rows, then the chunk's own
     assert every.shape[-2] == n + chunk, (every.shape, n, chunk)
-    positions = torch.arange(n, n + chunk, device=keys.device)  # causal within the chunk
-    mass = attention_mass(queries, every, module.scaling, query_positions=positions, reduce=reference.reduce)[..., :n]
+    causal = torch.arange(n, n + chunk, device=keys.device)  # causal within the chunk
+    mass = attention_mass(queries, every, module.scaling, query_positions=causal, reduce=reference.reduce)
+    mass = mass[..., :n]
     keep = even_sample(chunk, max(1, round(samples * chunk / total)), keys.device)
-    reference.add("repeat", mass, queries[:, :, keep], torch.full((len(keep),), n - 1, dtype=torch.long, device=keys.device))
+    positions = torch.full((len(keep),), n - 1, dtype=torch.long, device=keys.device)
+    reference.add("repeat", mass, queries[:, :, keep], positions)
 
 
 weighted_press.record_repeat = record_repeat
@@ -34,6 +37,6 @@ if sys.argv[1:2] == ["fidelity"]:
     from eval.fidelity import main as fidelity_main
 
     sys.exit(fidelity_main(sys.argv[2:]))
-from kvcompress.cli import main as cli_main
+from kvcompress.cli import main as cli_main  # noqa: E402
 
 sys.exit(cli_main(sys.argv[1:]))
