@@ -11,6 +11,7 @@ bin, ``T`` bins (the last one padded), ``r`` kept rows.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -148,6 +149,20 @@ def _check_parts(kept_prob, exact, guarded, guarded_values) -> tuple:
     return kept_prob, exact, guarded @ guarded_values, guarded.sum(-1)
 
 
+@dataclass
+class KeptBins:
+    """The kept rows of every problem cut into ``count`` bins of ``k`` (``r`` kept rows): ``padded [P, count * k]``
+    their positions, the last repeated to fill the last bin; ``owner [P, n]`` each position's bin (-1: protected);
+    ``protected_rows [p]`` the protected positions."""
+
+    padded: torch.Tensor
+    owner: torch.Tensor
+    protected_rows: torch.Tensor
+    count: int
+    k: int
+    r: int
+
+
 def normal_equations(
     kernels,
     queries: torch.Tensor,
@@ -156,23 +171,15 @@ def normal_equations(
     values: torch.Tensor,
     flat_values: torch.Tensor,
     scaling: float,
-    padded: torch.Tensor,
-    owner: torch.Tensor,
-    protected_rows: torch.Tensor,
-    bins: int,
-    k: int,
-    r: int,
+    kept: KeptBins,
 ) -> tuple[list, tuple]:
     """One query set's Gram ``[P, T, k, k]``, mass and value right-hand sides (float64, :func:`_sums`) and its
     validation parts (:func:`_check_parts`, float32). queries ``[P, M, d]`` with ``positions [M]`` (or None: every
     row), keys ``[P, n, d]`` and values ``[P, n, d_v]`` in the context's dtype, ``flat_values`` the values in
-    float32; ``padded [P, T * k]`` the kept rows' positions (the last repeated to fill the last bin), ``owner
-    [P, n]`` each position's bin (-1: protected), ``protected_rows [p]``. ``kernels``: :func:`fused_kernels`'s
-    module, or None for the held probabilities."""
+    float32. ``kernels``: :func:`fused_kernels`'s module, or None for the held probabilities."""
     if kernels is not None:
-        return _fused_equations(
-            kernels, queries, positions, keys, values, flat_values, scaling, padded, owner, protected_rows, bins, k, r
-        )
+        return _fused_equations(kernels, queries, positions, keys, values, flat_values, scaling, kept)
+    padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
     problems, n, dim = keys.shape
     flat_keys = keys.float()
     guarded_values = flat_values.index_select(1, protected_rows)
@@ -186,10 +193,10 @@ def normal_equations(
             None if positions is None else positions[first : first + step],
         )
         kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
-        part = held_sums(prob, kept_prob, owner, flat_values, bins, k)
+        part = held_sums(prob, kept_prob, owner, flat_values, kept.count, kept.k)
         total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
         guarded = prob.index_select(2, protected_rows)  # [P, M, p]
-        chunks.append(_check_parts(kept_prob[..., :r], prob @ flat_values, guarded, guarded_values))
+        chunks.append(_check_parts(kept_prob[..., : kept.r], prob @ flat_values, guarded, guarded_values))
         del prob, kept_prob
     return total, tuple(torch.cat(parts, 1) for parts in zip(*chunks, strict=True))
 
@@ -237,16 +244,14 @@ def _probabilities_at(
     return prob
 
 
-def _fused_equations(
-    kernels, queries, positions, keys, values, flat_values, scaling, padded, owner, protected_rows, bins, k, r
-) -> tuple[list, tuple]:
-    """:func:`normal_equations` from the fused kernels:
-    queries ``[P, M, d]``, keys ``[P, n, d]`` and values ``[P, n, d_v]`` in the context's dtype, never holding the
-    ``[P, M, n]`` probabilities: the rows' log-sum-exp and exact outputs in one pass, the kept and protected rows'
-    probabilities as small products, the blocks' products against the kept rows in a second pass."""
-    dim = queries.shape[-1]
+def _fused_equations(kernels, queries, positions, keys, values, flat_values, scaling, kept: KeptBins) -> tuple:
+    """:func:`normal_equations` from the fused kernels, never holding the ``[P, M, n]`` probabilities: the rows'
+    log-sum-exp and exact outputs in one pass, the kept and protected rows' probabilities as small products, the
+    blocks' products against the kept rows in a second pass."""
+    dim, k = queries.shape[-1], kept.k
+    padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
     span = _fused_span(k)
-    lows, touched = _layout(owner, bins, k, span)
+    lows, touched = _layout(owner, kept.count, k, span)
     lse, exact = kernels.attention_rows(queries, keys, values, scaling, positions)
     kept_keys = keys.gather(1, padded[..., None].expand(-1, -1, dim))
     kept_prob = _probabilities_at(queries, kept_keys, padded, lse, scaling, positions)  # [P, M, T * k]
@@ -254,5 +259,5 @@ def _fused_equations(
     blocks = kernels.block_products(
         queries, keys, scaling, positions, lse, kept_prob, lows, k, span, touched * k
     )  # [P, blocks, span, width]
-    sums = _sums(kept_prob, owner, flat_values, bins, k, span, lambda first, last, _: blocks[:, first:last])
-    return sums, _check_parts(kept_prob[..., :r], exact, guarded, flat_values.index_select(1, protected_rows))
+    sums = _sums(kept_prob, owner, flat_values, kept.count, k, span, lambda first, last, _: blocks[:, first:last])
+    return sums, _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))

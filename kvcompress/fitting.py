@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress._checks import check_backend
-from kvcompress.fit_equations import fused_kernels, normal_equations
+from kvcompress.fit_equations import KeptBins, fused_kernels, normal_equations
 
 
 @contextlib.contextmanager
@@ -204,7 +204,7 @@ def _fit(
     )
     protected = protected.cpu()
     owner = ((at_or_before - 1).clamp_min(0) // k).masked_fill(_sent(protected, keys.device)[None, :], -1)
-    protected_rows = _sent(protected.nonzero()[:, 0], keys.device)
+    kept_bins = KeptBins(padded, owner, _sent(protected.nonzero()[:, 0], keys.device), bins, k, r)
 
     # Fit on the even queries, validate on the odd ones (the sums are over queries: fit_equations).
     kernels = fused_kernels(keys, values, k, backend)
@@ -213,7 +213,7 @@ def _fit(
         half_positions = None if positions is None else positions[start::2]
         total, parts = normal_equations(
             kernels, grouped[:, start::2], half_positions, keys.reshape(problems, n, dim),
-            values.reshape(problems, n, d_v), flat_values, scaling, padded, owner, protected_rows, bins, k, r,
+            values.reshape(problems, n, d_v), flat_values, scaling, kept_bins,
         )  # fmt: skip
         sums.append(total)
         checks.append(_QuerySet(*parts))
