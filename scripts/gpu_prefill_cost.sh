@@ -10,7 +10,8 @@
 # that many prefills per row (default 3), FIT_AFTER_FIRST=1 runs eval.bench_fit after the first length instead of
 # before it (when device time is short, the first length's breakdown comes first), BUNDLE=1 packs $OUT into
 # $OUT.tgz at the end (the device tool returns a limited number of files). It also counts the host-device syncs of
-# one short prefill per setting (`python -m eval.probe_syncs`).
+# one short prefill per setting (`python -m eval.probe_syncs`) and whether torch's private flash operators can hand
+# a repeat chunk's log-sum-exp to the mass (`python -m eval.probe_flash_lse`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/prefill_cost}
@@ -20,6 +21,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_kernel_fit_products.py tests/test_selection_fitting.py \
     tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
+"$PYTHON" -m eval.probe_flash_lse --output "$OUT/flash_lse.json" > "$OUT/flash_lse.log" 2>&1
+echo "probe_flash_lse: exit $?"
+cat "$OUT/flash_lse.log"
 "$PYTHON" -m eval.probe_syncs --output "$OUT/syncs.json" > "$OUT/syncs.log" 2>&1
 echo "probe_syncs: exit $?"
 grep -v "^ " "$OUT/syncs.log"
