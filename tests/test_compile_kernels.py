@@ -1,5 +1,6 @@
-"""eval/compile_kernels.py: the fit's fused kernels compile for an H100 (sm_90) on this CPU-only machine, with the
-launch options their launchers choose, without register spills; bad arguments exit with a message naming the flag.
+"""eval/compile_kernels.py: the fit's fused kernels and the attention mass's compile for an H100 (sm_90) on this
+CPU-only machine with the launch options their launchers choose, the fit's without register spills; bad arguments
+exit with a message naming the flag.
 
 It runs in a subprocess: this session's conftest sets TRITON_INTERPRET=1, under which the kernels are defined for
 the interpreter and cannot be compiled.
@@ -23,13 +24,15 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_fit_kernels_compile_for_sm90_without_spills():
+def test_prefill_kernels_compile_for_sm90_the_fit_without_spills():
     done = _run("--dtypes", "bf16", "fp32", "--head-dims", "128", "--bin-rows", "1", "16")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    # Two dtypes x (attention_rows with and without positions + block_products at 2 bin sizes).
-    assert len(lines) == 2 * (2 + 2) and done.stdout.rstrip().endswith("0 failed for sm_90")
-    assert all("shared" in line for line in lines)
+    # Two dtypes x (attention_rows with and without positions, block_products at 2 bin sizes, the mass's row pass
+    # and its column pass summed and maxed).
+    assert len(lines) == 2 * (2 + 2 + 3) and done.stdout.rstrip().endswith("0 failed for sm_90")
+    fit = [line for line in lines if "attention_rows" in line or "block_products" in line]
+    assert len(fit) == 8 and all(line.endswith("stack + local 0 B") for line in fit), fit
 
 
 @pytest.mark.parametrize("bad, flag", [(["--head-dims", "300"], "--head-dims"), (["--bin-rows", "65"], "--bin-rows"),

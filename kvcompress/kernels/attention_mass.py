@@ -157,6 +157,39 @@ def unsupported_reason(queries: torch.Tensor, keys: torch.Tensor) -> str | None:
     return None
 
 
+def launch_config(
+    dim: int,
+    dtype: torch.dtype,
+    has_pos: bool,
+    has_mask: bool,
+    reduce: str = "sum",
+    block_r: int | None = None,
+    block_n: int | None = None,
+) -> tuple[dict, dict]:
+    """Launch options (constexprs, warps, stages) of the two passes for head dim ``dim`` and input ``dtype``;
+    ``block_r`` / ``block_n`` (powers of two >= 16) override the tiles (tests, tuning)."""
+    block_d = max(16, triton.next_power_of_2(dim))
+    wide = block_d > 128
+    if dtype == torch.float32:  # FMA dots: tiles small enough not to spill registers on sm_90 (eval.compile_kernels)
+        block_r, block_n1, block_n2, warps = block_r or 16, block_n or 16, block_n or 16, 4
+    else:
+        # Pass 1 streams keys past resident rows (FlashAttention tiles); pass 2 streams rows past a resident key
+        # tile, so a wider tile there amortises every query load over more keys. 8 warps: 4 spilled below d = 128.
+        block_r, block_n1, block_n2, warps = (
+            block_r or (64 if wide else 128),
+            block_n or (32 if wide else 64),
+            block_n or (64 if wide else 128),
+            8,
+        )
+    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep 16-bit tensor-core dots).
+    dot_fp32 = dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
+    flags = dict(
+        D=dim, BLOCK_R=block_r, BLOCK_D=block_d, HAS_POS=has_pos, HAS_MASK=has_mask, DOT_FP32=dot_fp32,
+        num_warps=warps, num_stages=2,
+    )  # fmt: skip
+    return dict(flags, BLOCK_N=block_n1), dict(flags, BLOCK_N=block_n2, REDUCE_MAX=reduce == "max")
+
+
 def attention_mass_kernel(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -182,34 +215,23 @@ def attention_mass_kernel(
     _, heads_kv, n, _ = keys.shape
     group = heads_q // heads_kv
     rows = group * m
-    block_d = max(16, triton.next_power_of_2(dim))
-    wide = block_d > 128
-    block_r = block_r or (64 if wide else 128)
-    # Pass 1 streams keys past resident rows (FlashAttention tiles); pass 2 streams rows past a resident key
-    # tile, so a wider tile there amortises every query load over more keys.
-    block_n1 = block_n or (32 if wide else 64)
-    block_n2 = block_n or (64 if wide or queries.element_size() == 4 else 128)  # fp32 tiles: half (shared memory)
     device = queries.device
     positions = query_positions.to(device=device, dtype=torch.int64) if query_positions is not None else None
     pos_t = positions if positions is not None else torch.zeros(1, dtype=torch.int64, device=device)
     mask_t = key_mask.view(torch.uint8) if key_mask is not None else torch.zeros(1, 1, dtype=torch.uint8, device=device)
     lse = torch.empty(batch * heads_kv, rows, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads_kv, n, dtype=torch.float32, device=device)
-    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep 16-bit tensor-core dots).
-    dot_fp32 = queries.dtype == torch.float32 or (INTERPRET and queries.dtype == torch.bfloat16)
+    rows_pass, column_pass = launch_config(
+        dim, queries.dtype, positions is not None, key_mask is not None, reduce, block_r, block_n
+    )
     common = (
         heads_kv, group, m, rows, n, scaling * LOG2E,
         *queries.stride(), *keys.stride(), pos_t.stride(0), *mask_t.stride(),
     )  # fmt: skip
-    flags = dict(
-        D=dim, BLOCK_R=block_r, BLOCK_D=block_d,
-        HAS_POS=positions is not None, HAS_MASK=key_mask is not None, DOT_FP32=dot_fp32,
-        num_warps=8 if block_r * block_d >= 128 * 128 else 4, num_stages=2,
-    )  # fmt: skip
-    _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, block_r))](
-        queries, keys, pos_t, mask_t, lse, *common, BLOCK_N=block_n1, **flags
+    _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, rows_pass["BLOCK_R"]))](
+        queries, keys, pos_t, mask_t, lse, *common, **rows_pass
     )
-    _column_kernel[(batch * heads_kv, triton.cdiv(n, block_n2))](
-        queries, keys, pos_t, mask_t, lse, out, *common, BLOCK_N=block_n2, REDUCE_MAX=reduce == "max", **flags
+    _column_kernel[(batch * heads_kv, triton.cdiv(n, column_pass["BLOCK_N"]))](
+        queries, keys, pos_t, mask_t, lse, out, *common, **column_pass
     )
     return out
