@@ -112,23 +112,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{'backend':>7} {'context':>8} {'queries':>7} {'kept rows':>9} {'median ms':>10} {'min ms':>8} "
         f"{'x layers s':>10} {'peak MiB':>8} accepted"
     )
-    for context, m, backend in itertools.product(args.contexts, args.queries, args.backends):
+    for context, m in itertools.product(args.contexts, args.queries):
         case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
-        call = functools.partial(_call, case, backend)
-        peak = peak_mib(call, device)  # the case's first call: the least freed memory to reuse
-        seconds, result = time_calls(call, args.warmup, args.repeats, device)
-        accepted = float(result.accepted.float().mean())  # fraction of heads whose fit was accepted
-        median = statistics.median(seconds)
-        row = dict(
-            backend=backend, context=context, queries=m, kept_rows=int(case["kept"].shape[-1]),
-            median_ms=1e3 * median, min_ms=1e3 * min(seconds), model_s=median * args.layers, accepted=accepted,
-            samples=len(seconds), peak_mib=peak,
-        )  # fmt: skip
-        rows.append(row)
-        print(
-            f"{backend:>7} {context:>8} {m:>7} {row['kept_rows']:>9} {row['median_ms']:>10.2f} "
-            f"{row['min_ms']:>8.2f} {row['model_s']:>10.3f} {'-' if peak is None else f'{peak:.0f}':>8} {accepted:.2f}"
-        )
+        for backend in args.backends:  # the same case on every path
+            call = functools.partial(_call, case, backend)
+            peak = peak_mib(call, device)  # the case's first call: the least freed memory to reuse
+            seconds, result = time_calls(call, args.warmup, args.repeats, device)
+            accepted = float(result.accepted.float().mean())  # fraction of heads whose fit was accepted
+            median = statistics.median(seconds)
+            row = dict(
+                backend=backend, context=context, queries=m, kept_rows=int(case["kept"].shape[-1]),
+                median_ms=1e3 * median, min_ms=1e3 * min(seconds), model_s=median * args.layers, accepted=accepted,
+                samples=len(seconds), peak_mib=peak,
+            )  # fmt: skip
+            rows.append(row)
+            print(
+                f"{backend:>7} {context:>8} {m:>7} {row['kept_rows']:>9} {row['median_ms']:>10.2f} "
+                f"{row['min_ms']:>8.2f} {row['model_s']:>10.3f} {'-' if peak is None else f'{peak:.0f}':>8} "
+                f"{accepted:.2f}"
+            )
     if args.profile and case is not None:
         print(profile_case(case, device, args.backends[-1]))
     if args.output:

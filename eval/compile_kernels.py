@@ -76,7 +76,7 @@ def resource_usage(compiled) -> dict[str, int] | None:
 
 def fit_cases(dtypes: list[str], head_dims: list[int], bin_rows: list[int]):
     """(name, kernel, launch config, pointer types) of every fit kernel configuration asked."""
-    from kvcompress.fit_equations import _bins_met, _fused_span
+    from kvcompress.fit_equations import fused_block
     from kvcompress.kernels import fit_products as fp
 
     for dtype_name in dtypes:
@@ -93,8 +93,8 @@ def fit_cases(dtypes: list[str], head_dims: list[int], bin_rows: list[int]):
                     pointers,
                 )
             for k in bin_rows:
-                span = _fused_span(k)
-                config = fp.products_config(dim, span, _bins_met(k, span) * k, dtype, True)
+                span, width = fused_block(k)
+                config = fp.products_config(dim, span, width, dtype, True)
                 pointers = dict(q_ptr=data, k_ptr=data, pos_ptr="*i64", lse_ptr="*fp32", a_ptr="*fp32",
                                 low_ptr="*i64", c_ptr="*fp32")  # fmt: skip
                 yield f"block_products {dtype_name} d={dim} bin_rows={k}", fp._block_products_kernel, config, pointers

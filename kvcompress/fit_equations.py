@@ -181,7 +181,7 @@ def normal_equations(
         return _fused_equations(kernels, queries, positions, keys, values, flat_values, scaling, kept)
     padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
     problems, n, dim = keys.shape
-    flat_keys = keys.float()
+    flat_keys = keys.float()  # a view when the caller already converted them (fitting._fit, once for both halves)
     guarded_values = flat_values.index_select(1, protected_rows)
     step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
     total, chunks = None, []
@@ -212,18 +212,21 @@ def fused_kernels(keys: torch.Tensor, values: torch.Tensor, k: int, backend: str
         if backend == "triton":
             raise ImportError("backend='triton' needs the triton package (pip install triton)") from exc
         return None
-    width = _bins_met(k, _fused_span(k)) * k
-    reason = fit_products.unsupported_reason(keys, keys, values, width)
+    width = fused_block(k)[1]
     if width > fit_products.MAX_WIDTH:
         reason = f"bin_rows: must be at most {fit_products.MAX_WIDTH // 2} for the fused kernels, got {k}"
+    else:
+        reason = fit_products.unsupported_reason(keys, keys, values, width)
     if reason is not None and backend == "triton":
         raise ValueError(f"backend='triton': {reason}; use backend='torch' or 'auto'")
     return fit_products if reason is None else None
 
 
-def _fused_span(k: int) -> int:
-    """Positions per block of the fused products: about 64 (a tensor-core tile), a multiple of the bin size ``k``."""
-    return max(1, 64 // k) * k
+def fused_block(k: int) -> tuple[int, int]:
+    """Positions per block of the fused products (about 64, a tensor-core tile, a multiple of the bin size ``k``)
+    and the kept-row columns such a block meets (:func:`_bins_met` bins of ``k``)."""
+    span = max(1, 64 // k) * k
+    return span, _bins_met(k, span) * k
 
 
 def _probabilities_at(
@@ -250,14 +253,14 @@ def _fused_equations(kernels, queries, positions, keys, values, flat_values, sca
     blocks' products against the kept rows in a second pass."""
     dim, k = queries.shape[-1], kept.k
     padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
-    span = _fused_span(k)
-    lows, touched = _layout(owner, kept.count, k, span)
+    span, width = fused_block(k)
+    lows = _layout(owner, kept.count, k, span)[0]
     lse, exact = kernels.attention_rows(queries, keys, values, scaling, positions)
     kept_keys = keys.gather(1, padded[..., None].expand(-1, -1, dim))
     kept_prob = _probabilities_at(queries, kept_keys, padded, lse, scaling, positions)  # [P, M, T * k]
     guarded = _probabilities_at(queries, keys.index_select(1, protected_rows), protected_rows, lse, scaling, positions)
     blocks = kernels.block_products(
-        queries, keys, scaling, positions, lse, kept_prob, lows, k, span, touched * k
+        queries, keys, scaling, positions, lse, kept_prob, lows, k, span, width
     )  # [P, blocks, span, width]
     sums = _sums(kept_prob, owner, flat_values, kept.count, k, span, lambda first, last, _: blocks[:, first:last])
     return sums, _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))

@@ -208,12 +208,15 @@ def _fit(
 
     # Fit on the even queries, validate on the odd ones (the sums are over queries: fit_equations).
     kernels = fused_kernels(keys, values, k, backend)
+    context_keys = keys.reshape(problems, n, dim)
+    if kernels is None:  # the held probabilities' float32 products: convert once, not per half
+        context_keys = context_keys.float()
     sums, checks = [], []
     for start in (0, 1):
         half_positions = None if positions is None else positions[start::2]
         total, parts = normal_equations(
-            kernels, grouped[:, start::2], half_positions, keys.reshape(problems, n, dim),
-            values.reshape(problems, n, d_v), flat_values, scaling, kept_bins,
+            kernels, grouped[:, start::2], half_positions, context_keys, values.reshape(problems, n, d_v),
+            flat_values, scaling, kept_bins,
         )  # fmt: skip
         sums.append(total)
         checks.append(_QuerySet(*parts))
