@@ -9,7 +9,8 @@
 # [LENGTH ...] (default 8192 32768 65536); SETTINGS="none snapkv default ..." times only those settings, E2E_REPEATS=N
 # that many prefills per row (default 3), FIT_AFTER_FIRST=1 runs eval.bench_fit after the first length instead of
 # before it (when device time is short, the first length's breakdown comes first), BUNDLE=1 packs $OUT into
-# $OUT.tgz at the end (the device tool returns a limited number of files). It also counts the host-device syncs of
+# $OUT.tgz after every step (the device tool returns a limited number of files; a call cut off by its time limit
+# still returns the steps done). It also counts the host-device syncs of
 # one short prefill per setting (`python -m eval.probe_syncs`) and whether torch's private flash operators can hand
 # a repeat chunk's log-sum-exp to the mass (`python -m eval.probe_flash_lse`).
 set -uo pipefail
@@ -17,25 +18,33 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/prefill_cost}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
+checkpoint() {
+    if [ "${BUNDLE:-0}" = 1 ]; then tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; fi
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_kernel_fit_products.py tests/test_selection_fitting.py \
     tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
+checkpoint
 "$PYTHON" -m eval.probe_flash_lse --output "$OUT/flash_lse.json" > "$OUT/flash_lse.log" 2>&1
 echo "probe_flash_lse: exit $?"
 cat "$OUT/flash_lse.log"
+checkpoint
 "$PYTHON" -m eval.probe_syncs --output "$OUT/syncs.json" > "$OUT/syncs.log" 2>&1
 echo "probe_syncs: exit $?"
 grep -v "^ " "$OUT/syncs.log"
+checkpoint
 run_bench_fit() {
     "$PYTHON" -m eval.bench_fit --backends torch triton --profile --output "$OUT/bench_fit.json" > "$OUT/bench_fit.log" 2>&1
     echo "bench_fit: exit $?"
     head -10 "$OUT/bench_fit.log"
+    checkpoint
 }
 [ "${FIT_AFTER_FIRST:-0}" = 1 ] || run_bench_fit
 "$PYTHON" -m eval.bench_repeat_attention --output "$OUT/bench_repeat_attention.json" > "$OUT/bench_repeat_attention.log" 2>&1
 echo "bench_repeat_attention: exit $?"
 cat "$OUT/bench_repeat_attention.log"
+checkpoint
 extra=()
 [ -n "${SETTINGS:-}" ] && extra+=(--breakdown-settings $SETTINGS)
 [ -n "${E2E_REPEATS:-}" ] && extra+=(--e2e-repeats "$E2E_REPEATS")
@@ -45,9 +54,10 @@ for n in "${@:-8192 32768 65536}"; do
             --output "$OUT/prefill_$length.json" > "$OUT/prefill_$length.log" 2>&1
         echo "n=$length: exit $?"
         grep -A20 "breakdown per setting" "$OUT/prefill_$length.log"
+        checkpoint
         if [ "${FIT_AFTER_FIRST:-0}" = 1 ]; then run_bench_fit; FIT_AFTER_FIRST=done; fi
     done
 done
 if [ "${BUNDLE:-0}" = 1 ]; then
-    tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT" && echo "packed $OUT.tgz"
+    checkpoint && rm -rf "$OUT" && echo "packed $OUT.tgz"
 fi
