@@ -62,10 +62,11 @@ def _positions(m, n, causal, seed):
 
 
 @pytest.mark.parametrize("dtype, problems, m, n, d, d_v, causal, strided", CASES)
-def test_attention_rows_match_float64(dtype, problems, m, n, d, d_v, causal, strided):
+@pytest.mark.parametrize("splits", [1, 3])  # 3: every case has n > 64, so 3 key splits of 32; causal rows miss some
+def test_attention_rows_match_float64(dtype, problems, m, n, d, d_v, causal, strided, splits):
     q, k, v = make_inputs(problems, m, n, d, d_v, dtype, seed=m + n, strided=strided)
     positions = _positions(m, n, causal, seed=n)
-    lse, out = kernel.attention_rows(q, k, v, 0.3, positions, block_m=32, block_n=32)
+    lse, out = kernel.attention_rows(q, k, v, 0.3, positions, block_m=32, block_n=32, splits=splits)
     _, lse64, out64 = float64_fit_rows(q, k, v, 0.3, positions)
     assert lse.dtype == out.dtype == torch.float32 and out.shape == (problems, m, d_v)
     torch.testing.assert_close(lse.cpu().double() / LOG2E, lse64, rtol=0, atol=1e-4)  # fp32 sums of exact logits

@@ -6,8 +6,9 @@ For one fit problem (a (batch row, KV head) pair) with query rows ``r`` (each wi
 
     p_rj = exp(s_rj - lse_r),   s_rj = scaling * <q_r, k_j>  (j <= pos_r),   lse_r = log sum_{j <= pos_r} exp(s_rj)
 
-* :func:`attention_rows`, one program per (problem, block of rows), FlashAttention's forward: ``lse_r`` and the
-  exact attention output ``sum_j p_rj v_j`` (the fit's validation target), online over the key tiles a row sees.
+* :func:`attention_rows`, one program per (problem, block of rows, split of the keys), FlashAttention's forward:
+  ``lse_r`` and the exact attention output ``sum_j p_rj v_j`` (the fit's validation target), online over the key
+  tiles a row sees, the splits combined by their log-sum-exp.
 * :func:`block_products`, one program per (problem, block of ``span`` positions): ``c[j, w] = sum_r p_rj a[r, w]``
   for the block's positions ``j`` against ``width`` columns of ``a`` (the kept rows' probabilities) starting at
   column ``low * bin_rows`` (``low``: the first bin the block meets), the products behind the fit's right-hand
@@ -58,12 +59,13 @@ def _load_rows(q_base, pos_ptr, r0, M, N, s_qm, s_qd, s_p, offs_d, d_mask,
 @triton.jit
 def _attention_rows_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, lse_ptr, out_ptr,
-    M, N, D, DV, qk_scale,
-    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_vp, s_vn, s_vd, s_p, s_op, s_om, s_od,
+    M, N, D, DV, qk_scale, SPLIT_KEYS,
+    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_vp, s_vn, s_vd, s_p, s_ls, s_lp, s_os, s_op, s_om, s_od,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_POS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (problem, row block): ``lse_r`` (log2 units) and ``sum_j p_rj v_j`` of every row."""
+    """One program per (problem, row block, split of ``SPLIT_KEYS`` keys): each row's log-sum-exp over the split's
+    keys (log2 units; -inf where the row sees none of them) and its attention output over them."""
     prob = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -73,13 +75,15 @@ def _attention_rows_kernel(
         q_ptr + prob * s_qp, pos_ptr, tl.program_id(1) * BLOCK_M, M, N, s_qm, s_qd, s_p, offs_d, d_mask,
         BLOCK_M, HAS_POS, DOT_FP32,
     )  # fmt: skip
+    lo = tl.program_id(2) * SPLIT_KEYS
     hi = tl.minimum(N, tl.max(row_pos, 0) + 1).to(tl.int32)  # keys past every row's position are never read
+    hi = tl.minimum(hi, lo + SPLIT_KEYS)
     k_base = k_ptr + prob * s_kp
     v_base = v_ptr + prob * s_vp
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         kt = tl.load(k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd,
@@ -97,10 +101,11 @@ def _attention_rows_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
     seen = l_i > 0
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-    tl.store(lse_ptr + prob * M + offs_m, lse, mask=m_mask)
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    split = tl.program_id(2).to(tl.int64)
+    tl.store(lse_ptr + split * s_ls + prob * s_lp + offs_m, lse, mask=m_mask)
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(out_ptr + prob * s_op + offs_m[:, None] * s_om + offs_dv[None, :] * s_od, out,
+    tl.store(out_ptr + split * s_os + prob * s_op + offs_m[:, None] * s_om + offs_dv[None, :] * s_od, out,
              mask=m_mask[:, None] & dv_mask[None, :])  # fmt: skip
 
 
@@ -209,6 +214,16 @@ def _positions(positions: torch.Tensor | None, device: torch.device) -> torch.Te
     return positions.to(device=device, dtype=torch.int64)
 
 
+def key_splits(problems: int, row_blocks: int, n: int, block_n: int, device: torch.device) -> int:
+    """Splits of the keys for :func:`attention_rows`: enough programs for two per multiprocessor on a GPU (a fit of
+    64 reference queries is 16 (problem, row block) programs at 32k keys: 16 of an H100's 132 SMs, each walking all
+    keys), each split at least 4 key tiles; 1 on CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(target, problems * row_blocks), triton.cdiv(n, 4 * block_n)))
+
+
 def attention_rows(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -218,24 +233,39 @@ def attention_rows(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """queries ``[P, M, d]``, keys ``[P, n, d]``, values ``[P, n, d_v]`` (one dtype, any strides), ``positions``
     ``[M]`` int (row r sees keys ``j <= positions[r]``, at least key 0; None: every key). Returns ``lse [P, M]``
-    float32 in log2 units (``log2 sum_j 2^(s_rj log2 e)``) and the attention output ``[P, M, d_v]`` float32."""
+    float32 in log2 units (``log2 sum_j 2^(s_rj log2 e)``; +inf for a row that sees no key) and the attention output
+    ``[P, M, d_v]`` float32. The keys run in ``splits`` parts (default :func:`key_splits`) combined by their
+    log-sum-exp, FlashDecoding's split-K; ``block_m`` / ``block_n`` / ``splits`` override the launch (tests)."""
     reason = unsupported_reason(queries, keys, values, 1)
     if reason is not None:
         raise ValueError(f"fit products kernel: {reason}")
     problems, m, dim = queries.shape
     n, d_v = keys.shape[1], values.shape[-1]
     config = rows_config(dim, d_v, queries.dtype, positions is not None, block_m, block_n)
-    lse = torch.empty(problems, m, dtype=torch.float32, device=queries.device)
-    out = torch.empty(problems, m, d_v, dtype=torch.float32, device=queries.device)
+    row_blocks, block_n = triton.cdiv(m, config["BLOCK_M"]), config["BLOCK_N"]
+    splits = splits or key_splits(problems, row_blocks, n, block_n, queries.device)
+    split_keys = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n  # a whole number of key tiles per split
+    splits = triton.cdiv(n, split_keys)
+    lse = torch.empty(splits, problems, m, dtype=torch.float32, device=queries.device)
+    out = torch.empty(splits, problems, m, d_v, dtype=torch.float32, device=queries.device)
     pos = _positions(positions, queries.device)
-    _attention_rows_kernel[(problems, triton.cdiv(m, config["BLOCK_M"]))](
-        queries, keys, values, pos, lse, out, m, n, dim, d_v, scaling * LOG2E,
-        *queries.stride(), *keys.stride(), *values.stride(), pos.stride(0), *out.stride(), **config,
+    _attention_rows_kernel[(problems, row_blocks, splits)](
+        queries, keys, values, pos, lse, out, m, n, dim, d_v, scaling * LOG2E, split_keys,
+        *queries.stride(), *keys.stride(), *values.stride(), pos.stride(0), *lse.stride()[:2], *out.stride(),
+        **config,
     )  # fmt: skip
-    return lse, out
+    if splits == 1:
+        return lse[0].masked_fill_(lse[0] == float("-inf"), float("inf")), out[0]
+    top = lse.amax(0)
+    top = torch.where(top == float("-inf"), 0.0, top)
+    share = torch.exp2(lse - top)  # [splits, P, M]: each split's part of a row's denominator, 0 where it saw none
+    total = share.sum(0)
+    out = torch.einsum("spm,spmd->pmd", share, out).div_(total.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
+    return torch.where(total > 0, top + torch.log2(total), float("inf")), out
 
 
 def block_products(
