@@ -189,6 +189,7 @@ def test_balanced_setting_and_registry_row():
     assert press.reference == ("window", "novelty", "repeat") and press.repeat_pieces == "novel"
     assert press.repeat_fraction == 0.25 and press.repeat_span == 16 and press.score_pooling == "max"
     assert press.compression_ratio == 0.75 and press.seed == 3 and press.fit == "values"
+    assert press.fit_queries == 64  # 64 window + 64 repeat queries: the fit's share of a GPU prefill (BENCHMARKS)
     built = registry.make_press("compresskv_balanced", 0.75)
     assert built == CompressKVPress.balanced(0.75, seed=0) and built.repeat_span == 32
     assert registry.METHODS["compresskv_balanced"].label == "CompressKV (balanced)"

@@ -42,7 +42,6 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "default": {},
     "thorough": None,  # CompressKVPress.thorough()
     "balanced": None,  # CompressKVPress.balanced(): a repeat pass over the most novel quarter
-    "balanced_fit64": None,  # CompressKVPress.balanced(fit_queries=64): its fit on 64 + 64 queries, not 64 + 256
     "kvzip": None,  # CompressKVPress.kvzip(): KVzip's scoring, repeat pass without window or fit
     "window_repeat_sum": dict(reference=("window", "repeat"), score_pooling="sum"),  # the default before novelty
     "window": dict(reference=("window",)),
@@ -67,8 +66,6 @@ def make_setting(name: str, cfg: Config):
         return UniformPress(compression_ratio=ratio, seed=cfg.seed)
     if name == "paper":
         return CompressKVPress.paper(ratio, seed=cfg.seed, bin_rank=cfg.bin_rank)
-    if name == "balanced_fit64":
-        return CompressKVPress.balanced(ratio, seed=cfg.seed, fit_queries=64)
     if name in registry.PRESETS:  # CompressKVPress's named settings (paper above: with the run's bin_rank)
         return getattr(CompressKVPress, name)(ratio, seed=cfg.seed)
     return CompressKVPress(compression_ratio=ratio, seed=cfg.seed, **SETTINGS[name])
