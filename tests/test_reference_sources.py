@@ -107,7 +107,7 @@ def test_spread_pieces_and_the_partial_repeat_pass(monkeypatch):
         calls.append((kwargs["hidden_states"].shape[1], total))
         return record(module, kwargs, keys, ref, samples, total)
 
-    monkeypatch.setattr("kvcompress.weighted_press.record_repeat", spy)
+    monkeypatch.setattr("kvcompress.repeat_hooks.record_repeat", spy)
     press = CompressKVPress(
         compression_ratio=0.75, reference=("window", "repeat"), repeat_fraction=0.5, repeat_span=40, repeat_chunk=64
     )
@@ -161,7 +161,7 @@ def test_the_repeat_pass_rereads_the_novel_pieces(monkeypatch):
         seen["novelty"], seen["pieces"] = novelty, choose(novelty, fraction, span, device)
         return seen["pieces"]
 
-    monkeypatch.setattr("kvcompress.weighted_press.record_repeat", spy_record)
+    monkeypatch.setattr("kvcompress.repeat_hooks.record_repeat", spy_record)
     monkeypatch.setattr("kvcompress.presses.novel_pieces", spy_choose)
     press = CompressKVPress(
         compression_ratio=0.75,

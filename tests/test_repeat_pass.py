@@ -31,7 +31,7 @@ def _count_streamed(monkeypatch) -> list[int]:
         layers.append(layer_idx)
         return original(layer, decoder, hidden, cache, layer_idx)
 
-    monkeypatch.setattr("kvcompress.weighted_press.repeat_through_layer", spy)
+    monkeypatch.setattr("kvcompress.repeat_hooks.repeat_through_layer", spy)
     return layers
 
 

@@ -104,12 +104,12 @@ class StageTimer:
 
     @contextmanager
     def active(self):
-        from kvcompress import methods, reference, weighted_press
+        from kvcompress import methods, reference, repeat_hooks, weighted_press
 
         patches = [
             (reference, "attention_mass", "mass"),
-            (weighted_press, "repeat_context", "repeat"),
-            (weighted_press, "repeat_through_layer", "repeat"),
+            (repeat_hooks, "repeat_context", "repeat"),
+            (repeat_hooks, "repeat_through_layer", "repeat"),
             (methods, "fit_kept_rows", "fit"),
             (weighted_press.WeightedSubsetPress, "_compress_layer", "compress"),
         ]

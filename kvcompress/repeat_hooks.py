@@ -1,0 +1,134 @@
+"""The repeat pass's side of :class:`kvcompress.weighted_press.WeightedSubsetPress`: which pieces of the context it
+re-reads, the pass streamed layer by layer (a decoder-layer hook), the whole-model pass after the prefill (a decoder
+hook), and the recording of the repeat queries while either runs (the mechanics of a pass over the model:
+:mod:`kvcompress.reference`).
+
+A mixin: its methods read the press's state (``_pending``, ``_repeating``, ``_snapshot``, ``_stream``, ``_call``,
+``_windows``), its ``repeat_chunk`` field and ``_compress_layer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvcompress.padding import row_view_cache
+from kvcompress.reference import (
+    LayerReference,
+    record_repeat,
+    repeat_context,
+    repeat_through_layer,
+    restore_layer,
+    snapshot_layers,
+)
+
+
+class RepeatPassHooks:
+    """The repeat pass's hooks and choices (module docstring); presses without a ``"repeat"`` source never call
+    them."""
+
+    def repeat_samples(self) -> int:
+        """Repeat-pass queries kept per layer for a fit (subclasses with a fit override it)."""
+        return 0
+
+    def repeat_reads_references(self) -> bool:
+        """Whether :meth:`repeat_positions` reads the waiting layers' references (the repeat then waits for them
+        all instead of streaming layer by layer)."""
+        return False
+
+    def repeat_positions(self, n: int, device: torch.device, references: list[LayerReference]) -> torch.Tensor | None:
+        """Positions of an n-token context the repeat pass re-reads, in order; None: all of them.
+        ``references``: what each waiting layer's prefill recorded for this context."""
+        return None
+
+    def _record_repeat(self, module: torch.nn.Module, kwargs: dict, cache) -> None:
+        """Attention hook while a repeat pass runs: a waiting layer records its repeat queries, and every layer is
+        restored from the snapshot (the repeated tokens' rows go)."""
+        if module.layer_idx in self._pending:
+            pending = self._pending[module.layer_idx]
+            keys = cache.layers[module.layer_idx].keys[:, :, : pending["tokens"]]
+            samples, total = self.repeat_samples(), pending["repeat_tokens"]
+            record_repeat(module, kwargs, keys, pending["reference"], samples, total)
+        restore_layer(cache, module.layer_idx, self._snapshot)
+
+    def _stream_start(self, layer_idx: int, state: dict) -> list[torch.Tensor] | bool:
+        """The repeated tokens' embeddings, in chunks, when this prefill's repeat pass can be streamed; else False."""
+        decoder, input_ids = self._call
+        streamable = (
+            layer_idx == 0
+            and state["rows"] is None
+            and input_ids is not None
+            and not self.repeat_reads_references()
+            and all(window is None for window in self._windows)
+            and hasattr(decoder, "rotary_emb")
+            and hasattr(decoder, "embed_tokens")
+        )
+        if not streamable:
+            return False
+        pieces = self.repeat_positions(input_ids.shape[1], input_ids.device, [])
+        ids = input_ids if pieces is None else input_ids[:, pieces]
+        with torch.no_grad():
+            return [decoder.embed_tokens(chunk) for chunk in ids.split(self.repeat_chunk, dim=1)]
+
+    def _repeat_streamed(self, layer: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Decoder-layer hook, after a layer's prefill: stream the repeat pass through it and compress it."""
+        layer_idx = layer.self_attn.layer_idx
+        if self._repeating or layer_idx not in self._pending:
+            return
+        state = self._pending[layer_idx]
+        if self._stream is None:
+            self._stream = self._stream_start(layer_idx, state)
+        if self._stream is False:
+            return
+        cache = kwargs["past_key_values"]
+        repeat_tokens = sum(chunk.shape[1] for chunk in self._stream)
+        with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
+            repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx)
+        self._compress_layer(cache, self._pending.pop(layer_idx))
+
+    @contextmanager
+    def _reading_again(self, references: dict[int, LayerReference], cache, repeat_tokens: int) -> Iterator[None]:
+        """While a repeat pass of ``repeat_tokens`` tokens runs over ``cache``: the layers of ``references`` record
+        their queries into them (the attention hooks read ``_pending``) and every layer is restored from a
+        snapshot as soon as its attention has run."""
+        saved = self._pending
+        self._pending = {
+            i: dict(reference=reference, tokens=cache.layers[i].keys.shape[-2], repeat_tokens=repeat_tokens)
+            for i, reference in references.items()
+        }
+        self._repeating, self._snapshot = True, snapshot_layers(cache)
+        try:
+            yield
+        finally:
+            self._pending, self._repeating, self._snapshot = saved, False, []
+
+    def _after_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Decoder forward hook: after a prefill whose layers wait for the repeat pass, run it and compress."""
+        if self._repeating:
+            return
+        self._stream = None  # a streamed pass is over: its hidden states go
+        if not self._pending:
+            return
+        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
+        input_ids = self._call[1]
+        pending, self._pending = self._pending, {}
+        if input_ids is None:
+            raise ValueError(
+                f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
+                "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
+            )
+        rows = next(iter(pending.values()))["rows"] or [None]
+        for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
+            row_cache = cache if index is None else row_view_cache(cache, b, index)
+            row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]
+            references = [state["references"][b] for state in pending.values()]
+            pieces = self.repeat_positions(row_ids.shape[1], row_ids.device, references)
+            row_ids = row_ids if pieces is None else row_ids[:, pieces]
+            row_references = {i: state["references"][b] for i, state in pending.items()}
+            with self._reading_again(row_references, row_cache, row_ids.shape[1]):
+                repeat_context(decoder, row_ids, row_cache, self.repeat_chunk, self._snapshot)
+        for state in pending.values():
+            self._compress_layer(cache, state)
