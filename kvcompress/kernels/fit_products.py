@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.launch import choose_num_splits, sm_count
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -215,13 +217,13 @@ def _positions(positions: torch.Tensor | None, device: torch.device) -> torch.Te
 
 
 def key_splits(problems: int, row_blocks: int, n: int, block_n: int, device: torch.device) -> int:
-    """Splits of the keys for :func:`attention_rows`: enough programs for two per multiprocessor on a GPU (a fit of
-    64 reference queries is 16 (problem, row block) programs at 32k keys: 16 of an H100's 132 SMs, each walking all
-    keys), each split at least 4 key tiles; 1 on CPU (the interpreter)."""
+    """Splits of the keys for :func:`attention_rows`, by the weighted attention's heuristic
+    (:func:`kvcompress.kernels.launch.choose_num_splits`: about two programs per multiprocessor; a fit of 64
+    reference queries is 16 (problem, row block) programs at 32k keys, 16 of an H100's 132 SMs) with each split at
+    least 4 key tiles; 1 on CPU (the interpreter)."""
     if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(target, problems * row_blocks), triton.cdiv(n, 4 * block_n)))
+    return choose_num_splits(n, problems * row_blocks, block_n, sm_count(device), min_keys=4 * block_n)
 
 
 def attention_rows(

@@ -19,13 +19,16 @@ DEFAULT_SM_COUNT = 132  # H100 SXM; used when the device cannot be asked (CPU in
 REDUCE_CHUNK = 16  # splits merged per step in stage 2
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return DEFAULT_SM_COUNT
 
 
-def choose_num_splits(n: int, programs_per_split: int, block_n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+def choose_num_splits(
+    n: int, programs_per_split: int, block_n: int, sm_count: int = DEFAULT_SM_COUNT,
+    min_keys: int = MIN_KEYS_PER_SPLIT,
+) -> int:  # fmt: skip
     """Key-axis splits: enough programs for ``SPLITS_PER_SM * sm_count`` in total, but >= 256 keys per split.
 
     ``programs_per_split = batch * h_kv * row_blocks``. Long caches with few (batch, KV head) pairs get many
@@ -33,7 +36,7 @@ def choose_num_splits(n: int, programs_per_split: int, block_n: int, sm_count: i
     batches get one split and skip stage 2.
     """
     tiles = triton.cdiv(n, block_n)
-    max_splits = min(MAX_SPLITS, triton.cdiv(tiles, max(1, MIN_KEYS_PER_SPLIT // block_n)))
+    max_splits = min(MAX_SPLITS, triton.cdiv(tiles, max(1, min_keys // block_n)))
     wanted = triton.cdiv(SPLITS_PER_SM * sm_count, programs_per_split)
     return max(1, min(wanted, max_splits))
 
@@ -98,7 +101,7 @@ def launch_plan(
     if block_n is None:
         block_n = 32 if wide else 64
     if num_splits is None:
-        num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, _sm_count(queries.device))
+        num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, sm_count(queries.device))
     split_len = triton.cdiv(triton.cdiv(n_read, block_n), num_splits) * block_n
     num_splits = triton.cdiv(n_read, split_len)  # no empty splits
     plan = LaunchPlan(
