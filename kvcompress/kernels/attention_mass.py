@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.launch import dot_in_fp32
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -181,8 +183,7 @@ def launch_config(
             block_n or (64 if wide else 128),
             8,
         )
-    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep 16-bit tensor-core dots).
-    dot_fp32 = dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
+    dot_fp32 = dot_in_fp32(dtype, INTERPRET)
     flags = dict(
         D=dim, BLOCK_R=block_r, BLOCK_D=block_d, HAS_POS=has_pos, HAS_MASK=has_mask, DOT_FP32=dot_fp32,
         num_warps=warps, num_stages=2,

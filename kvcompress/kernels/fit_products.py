@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.launch import choose_num_splits, sm_count
+from kvcompress.kernels.launch import choose_num_splits, dot_in_fp32, sm_count, whole_tile_splits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
 
@@ -170,9 +170,7 @@ def unsupported_reason(queries: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def _modes(dtype: torch.dtype) -> tuple[bool, str]:
     """(upcast the logits' inputs to fp32, precision of the probabilities' products) for an input dtype."""
-    # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep 16-bit tensor-core dots).
-    dot_fp32 = dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
-    return dot_fp32, "ieee" if dtype == torch.float32 else "tf32"
+    return dot_in_fp32(dtype, INTERPRET), "ieee" if dtype == torch.float32 else "tf32"
 
 
 def rows_config(
@@ -250,8 +248,7 @@ def attention_rows(
     config = rows_config(dim, d_v, queries.dtype, positions is not None, block_m, block_n)
     row_blocks, block_n = triton.cdiv(m, config["BLOCK_M"]), config["BLOCK_N"]
     splits = splits or key_splits(problems, row_blocks, n, block_n, queries.device)
-    split_keys = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n  # a whole number of key tiles per split
-    splits = triton.cdiv(n, split_keys)
+    split_keys, splits = whole_tile_splits(n, splits, block_n)
     lse = torch.empty(splits, problems, m, dtype=torch.float32, device=queries.device)
     out = torch.empty(splits, problems, m, d_v, dtype=torch.float32, device=queries.device)
     pos = _positions(positions, queries.device)

@@ -41,6 +41,18 @@ def choose_num_splits(
     return max(1, min(wanted, max_splits))
 
 
+def whole_tile_splits(n: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """Keys per split, a whole number of ``block_n`` tiles, and the splits of ``n`` keys that leaves (no empty one)."""
+    split_len = triton.cdiv(triton.cdiv(n, block_n), num_splits) * block_n
+    return split_len, triton.cdiv(n, split_len)
+
+
+def dot_in_fp32(dtype: torch.dtype, interpret: bool) -> bool:
+    """Whether a kernel upcasts its dot inputs to fp32: always for fp32 inputs, and for bf16 ones in the CPU
+    interpreter, where tl.dot on bf16 is wrong (GPU runs keep 16-bit tensor-core dots)."""
+    return dtype == torch.float32 or (interpret and dtype == torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """Everything the launcher derives from shapes and options (cached per shape: no per-call planning)."""
@@ -102,8 +114,7 @@ def launch_plan(
         block_n = 32 if wide else 64
     if num_splits is None:
         num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, sm_count(queries.device))
-    split_len = triton.cdiv(triton.cdiv(n_read, block_n), num_splits) * block_n
-    num_splits = triton.cdiv(n_read, split_len)  # no empty splits
+    split_len, num_splits = whole_tile_splits(n_read, num_splits, block_n)
     plan = LaunchPlan(
         grid=(batch * heads_kv, num_splits, row_blocks),
         rows=rows,
@@ -116,8 +127,7 @@ def launch_plan(
         block_d=block_d,
         block_dv=block_dv,
         num_warps=8 if block_r * block_dv >= 128 * 128 else 4,
-        # tl.dot on bf16 is wrong in the CPU interpreter: upcast there (GPU runs keep bf16 tensor-core dots).
-        dot_fp32=queries.dtype == torch.float32 or (interpret and queries.dtype == torch.bfloat16),
+        dot_fp32=dot_in_fp32(queries.dtype, interpret),
         reduce_block_s=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
         reduce_warps=4 if block_dv >= 256 else 2,
     )
