@@ -156,9 +156,10 @@ class CompressKVPress(WeightedSubsetPress):
         the quarter of the context whose keys are most novel, in pieces of 32 tokens (``repeat_pieces="novel"``),
         max-pooled as ``thorough()``'s. The second reading goes over the outlying facts, and its queries find their
         rows. About a quarter of ``thorough()``'s extra forward; the fit on the 64 window queries and 64 of the
-        repeat pass's (``fit_queries=64``: 2.2x the no-press prefill on an H200 at 32k tokens, 2.3x with 256); holds
-        the full cache until the repeat pass ends (its pieces are chosen from every layer's novelty, so the pass
-        cannot be streamed layer by layer)."""
+        repeat pass's (``fit_queries=64``: 2.2x the no-press prefill on an H200 at 32k tokens, 2.3x with 256). Its
+        pieces are chosen from every layer's novelty, so the pass runs after the prefill, layer by layer; on CUDA
+        each layer's full cache waits in pinned host memory until its turn (about as much host memory as the full
+        cache), elsewhere every layer holds its full cache until its turn."""
         settings = dict(
             reference=("window", "novelty", "repeat"), repeat_fraction=0.25, repeat_span=32, repeat_pieces="novel",
             fit_queries=64,

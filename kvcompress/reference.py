@@ -15,7 +15,7 @@ and a few queries for the fit (:mod:`kvcompress.fitting`):
 * ``"repeat"``: a second pass over the context's own tokens right after it, in chunks, each chunk cropped
   away again. Reading the text again, the model's queries look back at the rows it needs to reproduce it
   (the reconstruction idea of KVzip, Kim et al., arXiv 2505.23416, without its prompt, so no tokenizer is
-  needed). It costs about one more prefill, and the full cache of every layer is held until it ends.
+  needed). It costs about one more prefill; each layer's full cache is held until the pass is through that layer.
 """
 
 from __future__ import annotations

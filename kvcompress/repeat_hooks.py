@@ -3,8 +3,8 @@ re-reads, the pass streamed layer by layer (a decoder-layer hook), the whole-mod
 hook), and the recording of the repeat queries while either runs (the mechanics of a pass over the model:
 :mod:`kvcompress.reference`).
 
-A mixin: its methods read the press's state (``_pending``, ``_repeating``, ``_snapshot``, ``_stream``, ``_call``,
-``_windows``), its ``repeat_chunk`` field and ``_compress_layer``.
+A mixin: its methods read the press's state (``_pending``, ``_repeating``, ``_snapshot``, ``_stream``, ``_parked``,
+``_call``, ``_windows``), its ``repeat_chunk`` field and ``_compress_layer``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvcompress.offload import ParkedLayers
 from kvcompress.padding import row_view_cache
 from kvcompress.reference import (
     LayerReference,
@@ -54,24 +55,32 @@ class RepeatPassHooks:
             record_repeat(module, kwargs, keys, pending["reference"], samples, total)
         restore_layer(cache, module.layer_idx, self._snapshot)
 
-    def _stream_start(self, layer_idx: int, state: dict) -> list[torch.Tensor] | bool:
-        """The repeated tokens' embeddings, in chunks, when this prefill's repeat pass can be streamed; else False."""
+    def _streamable(self, state: dict) -> bool:
+        """Whether this prefill's repeat pass can run layer by layer (``reference.repeat_through_layer``): one
+        unpadded row read from token ids, a decoder with its own embedding and rotary tables, no sliding window."""
         decoder, input_ids = self._call
-        streamable = (
-            layer_idx == 0
-            and state["rows"] is None
+        return (
+            state["rows"] is None
             and input_ids is not None
-            and not self.repeat_reads_references()
             and all(window is None for window in self._windows)
             and hasattr(decoder, "rotary_emb")
             and hasattr(decoder, "embed_tokens")
         )
-        if not streamable:
-            return False
-        pieces = self.repeat_positions(input_ids.shape[1], input_ids.device, [])
+
+    def _embedded_chunks(self, pieces: torch.Tensor | None) -> list[torch.Tensor]:
+        """The embeddings of the repeated tokens (positions ``pieces`` of the context, None: all), in chunks."""
+        decoder, input_ids = self._call
         ids = input_ids if pieces is None else input_ids[:, pieces]
         with torch.no_grad():
             return [decoder.embed_tokens(chunk) for chunk in ids.split(self.repeat_chunk, dim=1)]
+
+    def _stream_start(self, layer_idx: int, state: dict) -> list[torch.Tensor] | bool:
+        """The repeated tokens' embeddings, in chunks, when this prefill's repeat pass can be streamed through each
+        layer right after its prefill; else False."""
+        if layer_idx != 0 or self.repeat_reads_references() or not self._streamable(state):
+            return False
+        input_ids = self._call[1]
+        return self._embedded_chunks(self.repeat_positions(input_ids.shape[1], input_ids.device, []))
 
     def _repeat_streamed(self, layer: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder-layer hook, after a layer's prefill: stream the repeat pass through it and compress it."""
@@ -79,15 +88,26 @@ class RepeatPassHooks:
         if self._repeating or layer_idx not in self._pending:
             return
         state = self._pending[layer_idx]
+        cache = kwargs["past_key_values"]
         if self._stream is None:
             self._stream = self._stream_start(layer_idx, state)
         if self._stream is False:
+            self._park(cache, layer_idx, state)
             return
-        cache = kwargs["past_key_values"]
         repeat_tokens = sum(chunk.shape[1] for chunk in self._stream)
         with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
             repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx)
         self._compress_layer(cache, self._pending.pop(layer_idx))
+
+    def _park(self, cache, layer_idx: int, state: dict) -> None:
+        """After a layer's prefill, when the repeat pass will run layer by layer after the prefill: the layer's full
+        cache waits in host memory until then (:mod:`kvcompress.offload`; on CUDA)."""
+        if self._parked is None:
+            device = cache.layers[layer_idx].keys.device
+            wanted = self.repeat_reads_references() and self._streamable(state) and ParkedLayers.wanted(device)
+            self._parked = ParkedLayers(device) if wanted else False
+        if self._parked:
+            self._parked.park(cache.layers[layer_idx], layer_idx)
 
     @contextmanager
     def _reading_again(self, references: dict[int, LayerReference], cache, repeat_tokens: int) -> Iterator[None]:
@@ -120,6 +140,12 @@ class RepeatPassHooks:
                 f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
                 "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
             )
+        parked, self._parked = self._parked, None
+        if list(pending) == list(range(len(decoder.layers))) and self._streamable(next(iter(pending.values()))):
+            self._repeat_layer_by_layer(decoder, cache, pending, parked or None)
+            return
+        if parked:
+            parked.restore_all(cache)
         rows = next(iter(pending.values()))["rows"] or [None]
         for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
             row_cache = cache if index is None else row_view_cache(cache, b, index)
@@ -131,4 +157,23 @@ class RepeatPassHooks:
             with self._reading_again(row_references, row_cache, row_ids.shape[1]):
                 repeat_context(decoder, row_ids, row_cache, self.repeat_chunk, self._snapshot)
         for state in pending.values():
+            self._compress_layer(cache, state)
+
+    def _repeat_layer_by_layer(
+        self, decoder: torch.nn.Module, cache, pending: dict[int, dict], parked: ParkedLayers | None
+    ) -> None:
+        """The repeat pass after the prefill, one layer at a time: every chunk through a layer, then that layer
+        compressed (its full cache freed) before the next; the same cache as the whole-model pass, whose chunks go
+        through every layer in turn while every layer holds its full cache. ``parked``: the layers waiting in host
+        memory, each brought back when its turn comes (the next one's copy started meanwhile)."""
+        input_ids = self._call[1]
+        references = [state["references"][0] for state in pending.values()]
+        hidden = self._embedded_chunks(self.repeat_positions(input_ids.shape[1], input_ids.device, references))
+        repeat_tokens = sum(chunk.shape[1] for chunk in hidden)
+        for layer_idx, state in pending.items():
+            if parked is not None:
+                parked.restore(cache.layers[layer_idx], layer_idx)
+                parked.prefetch(layer_idx + 1)
+            with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
+                repeat_through_layer(decoder.layers[layer_idx], decoder, hidden, cache, layer_idx)
             self._compress_layer(cache, state)

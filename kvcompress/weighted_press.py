@@ -9,10 +9,13 @@ outlives the ``with press(model)`` block on purpose: the question and the answer
 A layer is compressed right after its prefill, as in kvpress. A press that reads the context a second time
 (``reference`` with ``"repeat"``) streams that pass: right after a decoder layer's prefill the repeated tokens go
 through that layer alone, chunk by chunk, and the layer is compressed before the next one runs, so only one layer
-holds its full cache at a time. Where the repeat cannot be streamed (pieces chosen from every layer's prefill,
-padded batches, sliding-window layers, ``inputs_embeds``) every layer keeps its full cache until the prefill
-forward has returned, the whole-model repeat pass runs, and all layers are compressed before the forward call
-gives control back.
+holds its full cache at a time. When the pieces it re-reads are chosen from every layer's prefill (``balanced()``),
+the pass runs after the prefill, still layer by layer, each layer compressed before the next is read; on CUDA each
+layer's full cache waits in pinned host memory from its prefill to its turn (:mod:`kvcompress.offload`), so the
+device holds one or two full layers at a time there too. Where the repeat cannot run layer by layer (padded
+batches, sliding-window layers, ``inputs_embeds``) every layer keeps its full cache until the prefill forward has
+returned, the whole-model repeat pass runs, and all layers are compressed before the forward call gives control
+back.
 
 Padded batches: the 2D ``attention_mask`` of the prefill call says which tokens are real. Each row is then
 compressed on its own real tokens (its budget, sink and window from its true length; pads never selected),
@@ -117,6 +120,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     _prefilled: bool = field(default=False, init=False, repr=False, compare=False)
     _call: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (decoder, input_ids)
     _stream: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: whole pass
+    _parked: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: not parked
     _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
     _positions: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _prefilling's
 
@@ -212,7 +216,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
                         hook.remove()
         finally:
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
-            self._prefilled, self._call, self._stream = False, (None, None), None
+            self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
             self._finite, self._positions = [], (None, None, False)
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -221,6 +225,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         if not self._repeating:
             self._attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
             self._call, self._stream = (decoder, kwargs.get("input_ids", args[0] if args else None)), None
+            self._parked = None
             # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.
             self._finite, self._positions = [], (None, None, False)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prefill-cost numbers of a CUDA machine (kvpress 0.5.5 and transformers 5.2 importable): the attention-mass
-# kernel's, the fit's fused kernels' and the repeat pass's lower-right attention tests compiled, the fit alone per
+# kernel's, the fit's fused kernels' and the repeat pass's lower-right attention tests compiled (and balanced()'s
+# layers parked in host memory, the side stream's copies), the fit alone per
 # layer on both its paths with the fused path's top CUDA operators (`python -m eval.bench_fit --backends torch
 # triton --profile`, 8k and 32k, 64 and 320 queries), one repeat chunk's
 # attention masked and lower-right (`python -m eval.bench_repeat_attention`), then `python -m eval.speed --only
@@ -23,7 +24,8 @@ checkpoint() {
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_kernel_fit_products.py tests/test_selection_fitting.py \
-    tests/test_repeat_attention.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
+    tests/test_repeat_attention.py tests/test_repeat_pass.py::test_parked_layers_on_cuda_keep_the_cache -q \
+    -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
 checkpoint
 "$PYTHON" -m eval.probe_flash_lse --output "$OUT/flash_lse.json" > "$OUT/flash_lse.log" 2>&1

@@ -1,6 +1,8 @@
-"""The repeat pass streamed layer by layer (``WeightedSubsetPress._repeat_streamed``) against the whole-model pass
-it replaces: the same cache on every family without sliding-window layers, one full layer at a time instead of
-all of them, and the whole-model pass kept wherever streaming cannot run."""
+"""The repeat pass layer by layer against the whole-model pass it replaces: streamed through each layer right after its
+prefill (``_repeat_streamed``), or after the prefill when its pieces are chosen from every layer's novelty
+(``_repeat_layer_by_layer``, balanced()). The same cache on every family without sliding-window layers, one full
+layer at a time (or the full cache released layer by layer after the prefill) instead of all of them to the end, and
+the whole-model pass kept wherever streaming cannot run."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress import CompressKVPress, reference
+from kvcompress.offload import ParkedLayers
 from kvcompress.weighted_press import WeightedSubsetPress
 from tests.test_press_options import compressed_cache, tokens
 from tests.tiny_models import tiny_model
@@ -20,6 +23,7 @@ PRESSES = {
     "spread half": lambda: CompressKVPress(
         compression_ratio=0.75, reference=("window", "repeat"), repeat_fraction=0.5, repeat_span=40, repeat_chunk=64
     ),
+    "balanced": lambda: CompressKVPress.balanced(compression_ratio=0.6, seed=0, repeat_chunk=48),
 }
 
 
@@ -36,7 +40,7 @@ def _count_streamed(monkeypatch) -> list[int]:
 
 
 def _whole_pass(monkeypatch) -> None:
-    monkeypatch.setattr(WeightedSubsetPress, "_stream_start", lambda self, layer_idx, state: False)
+    monkeypatch.setattr(WeightedSubsetPress, "_streamable", lambda self, state: False)
 
 
 @pytest.mark.parametrize("press", sorted(PRESSES))
@@ -77,13 +81,106 @@ def test_one_full_layer_at_a_time_when_streamed(streamed, monkeypatch):
     assert full_layers == ([1, 1, 1, 1] if streamed else [1, 2, 3, 4])
 
 
+def test_after_the_prefill_full_layers_go_one_by_one(monkeypatch):
+    """balanced(): its pieces need every layer's novelty, so every layer holds its full cache at the end of the
+    prefill; the pass then compresses layer l before it reads layer l + 1 (at layer l's repeat attention, the layers
+    still full are l..L-1), where the whole-model pass holds them all until it ends."""
+    model, context = tiny_model("qwen2", num_hidden_layers=4), tokens(CONTEXT, 8)
+    seen = {}
+
+    def count(module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        if kwargs["hidden_states"].shape[1] != CONTEXT:  # a repeat chunk: full layers hold at least the context
+            full = sum(layer.keys.shape[-2] >= CONTEXT for layer in cache.layers)
+            seen.setdefault(module.layer_idx, set()).add(full)
+
+    hooks = [layer.self_attn.register_forward_hook(count, with_kwargs=True) for layer in model.model.layers]
+    try:
+        compressed_cache(model, PRESSES["balanced"](), context)
+        assert seen == {0: {4}, 1: {3}, 2: {2}, 3: {1}}
+        seen.clear()
+        _whole_pass(monkeypatch)
+        compressed_cache(model, PRESSES["balanced"](), context)
+        assert seen == {0: {4}, 1: {4}, 2: {4}, 3: {4}}
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _full_layers_at_prefill(model, press) -> tuple[DynamicCache, list[int]]:
+    """The compressed cache, and at each layer's prefill attention the number of layers holding all its rows."""
+    full_layers = []
+
+    def count(module, args, kwargs, output):  # registered before the press's hook: sees the prefill's cache
+        cache = kwargs["past_key_values"]
+        if kwargs["hidden_states"].shape[1] == CONTEXT:
+            full_layers.append(sum(layer.keys.shape[-2] == CONTEXT for layer in cache.layers))
+
+    hooks = [layer.self_attn.register_forward_hook(count, with_kwargs=True) for layer in model.model.layers]
+    try:
+        return compressed_cache(model, press, tokens(CONTEXT, 13).to(model.device)), full_layers
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _assert_same_cache(a: DynamicCache, b: DynamicCache) -> None:
+    for x, y in zip(a.layers, b.layers, strict=True):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+        assert torch.equal(x.row_weights, y.row_weights)
+
+
+def test_parked_layers_wait_in_host_memory_and_keep_the_cache(monkeypatch):
+    """balanced() with each waiting layer parked right after its prefill (CUDA's behaviour, forced on the CPU): during
+    the prefill only the layer being prefilled holds its rows, and the cache is the unparked one bit for bit."""
+    model = tiny_model("qwen2", num_hidden_layers=4)
+    plain, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    assert held == [1, 2, 3, 4]
+    monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: True))
+    parked, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    assert held == [1, 1, 1, 1]
+    _assert_same_cache(parked, plain)
+    # thorough() streams (compresses each layer right after its prefill): nothing to park.
+    _, held = _full_layers_at_prefill(model, PRESSES["thorough"]())
+    assert held == [1, 1, 1, 1]
+
+
+def test_parked_layers_round_trip():
+    """park / prefetch / restore (and restore_all) give each layer back its own rows, in any order."""
+    cache = DynamicCache()
+    rows = [(torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 3)) for _ in range(3)]
+    for layer_idx, (keys, values) in enumerate(rows):
+        cache.update(keys.clone(), values.clone(), layer_idx)
+    parked = ParkedLayers(torch.device("cpu"))
+    for layer_idx in range(3):
+        parked.park(cache.layers[layer_idx], layer_idx)
+        assert cache.layers[layer_idx].keys.shape == (1, 2, 0, 4)
+    parked.prefetch(2)
+    parked.restore(cache.layers[1], 1)
+    parked.restore_all(cache)
+    for layer, (keys, values) in zip(cache.layers, rows, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    assert not parked.host and not parked.arriving
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the side stream's copies")
+def test_parked_layers_on_cuda_keep_the_cache(monkeypatch):
+    """On CUDA balanced() parks by default (side-stream copies out and back): the same cache as without parking."""
+    assert ParkedLayers.wanted(torch.device("cuda")) and not ParkedLayers.wanted(torch.device("cpu"))
+    model = tiny_model("qwen2", num_hidden_layers=4).cuda()
+    parked, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    assert held == [1, 1, 1, 1]
+    monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: False))
+    plain, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    assert held == [1, 2, 3, 4]
+    _assert_same_cache(parked, plain)
+
+
 def test_the_whole_pass_stays_where_streaming_cannot(monkeypatch):
     streamed_layers = _count_streamed(monkeypatch)
-    # Pieces chosen from every layer's novelty (balanced()), sliding-window layers (gemma3): the whole pass.
-    compressed_cache(
-        tiny_model("qwen2"), CompressKVPress.balanced(compression_ratio=0.6, repeat_chunk=64), tokens(320, 9)
-    )
+    # Sliding-window layers (gemma3): the whole pass, after the prefill or not.
     compressed_cache(tiny_model("gemma3"), PRESSES["thorough"](), tokens(320, 9))
+    compressed_cache(tiny_model("gemma3"), PRESSES["balanced"](), tokens(320, 9))
     # A padded batch: each row re-reads its own tokens through the whole model.
     model = tiny_model("llama")
     ids = torch.cat([tokens(CONTEXT, 10), tokens(CONTEXT, 11)])
