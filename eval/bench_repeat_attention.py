@@ -4,7 +4,9 @@ The repeat pass feeds the context again in chunks of ``--chunk`` tokens after th
 queries see every cached key and their own chunk causally. ``masked``: transformers' sdpa with the explicit mask
 it builds for such a call (it then copies the keys and values once per query head); ``lower-right``: the
 kvcompress attention inside ``new_tokens_see_all_cached()`` (``kvcompress.hf_attention``; on CUDA the flash
-kernel with grouped-query heads where flash takes the call, the stock path otherwise; the row says which ran).
+kernel with grouped-query heads where flash takes the call, the stock path otherwise; the row says which ran);
+``split``: the same inside ``handing_over_context_lse()`` as the repeat pass runs it (on CUDA two flash calls,
+over the context and over the chunk, merged by their log-sum-exps, the context one handed to the mass).
 Default shape: Qwen2.5-7B-Instruct's attention (28 query heads, 4 KV heads, head dim 128), bf16, batch 1,
 contexts 8k and 32k. Each row: median and min over ``--repeats`` calls after ``--warmup`` (device-synchronised
 host clock), that median times ``--layers`` and the chunks of the context (the repeat pass's attention in one
@@ -61,6 +63,11 @@ def lower_right(case: dict[str, Any]) -> torch.Tensor:
         return kvcompress_attention(c["module"], c["query"], c["key"], c["value"], c["mask"], scaling=c["scaling"])[0]
 
 
+def split(case: dict[str, Any]) -> torch.Tensor:
+    with hf_attention.handing_over_context_lse():
+        return lower_right(case)
+
+
 def path_taken(case: dict[str, Any]) -> str:
     """Which attention the lower-right variant runs on this case."""
     c = case
@@ -95,12 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         case = make_case(context, args.chunk, *args.heads, args.head_dim, DTYPES[args.dtype], device)
         reference = masked(case).float()
         chunks = -(-context // args.chunk)
-        for name, fn in (("masked", masked), ("lower-right", lower_right)):
+        for name, fn in (("masked", masked), ("lower-right", lower_right), ("split", split)):
             call = functools.partial(fn, case)
             peak = peak_mib(call, device)
             seconds = time_calls(call, args.warmup, args.repeats, device)[0]
             median = statistics.median(seconds)
             path = "transformers sdpa, explicit mask" if name == "masked" else path_taken(case)
+            if name == "split":
+                path = "split at the context (flash x2)" if hf_attention._split_wanted(case["query"]) else path
             row = dict(
                 context=context, chunk=args.chunk, variant=name, path=path, median_ms=1e3 * median,
                 min_ms=1e3 * min(seconds), pass_s=median * args.layers * chunks, peak_mib=peak, samples=len(seconds),

@@ -18,14 +18,18 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging as hf_logging
 
 import kvcompress.ops  # noqa: F401  (registers torch.ops.kvcompress.weighted_attention_rows)
 from kvcompress.attention import weighted_attention_unchecked
 from kvcompress.cache import layer_of
 
 ATTENTION_NAME = "kvcompress"
+logger = hf_logging.get_logger(__name__)
 
 _NEW_TOKENS_SEE_ALL_CACHED: ContextVar[bool] = ContextVar("kvcompress_new_tokens_see_all_cached", default=False)
+# While a repeat pass records: [layer_idx, lse] of the last chunk attention split at the context's end (or []).
+_CONTEXT_LSE: ContextVar[list | None] = ContextVar("kvcompress_context_lse", default=None)
 
 
 @contextmanager
@@ -42,6 +46,59 @@ def new_tokens_see_all_cached() -> Iterator[None]:
         yield
     finally:
         _NEW_TOKENS_SEE_ALL_CACHED.reset(token)
+
+
+@contextmanager
+def handing_over_context_lse() -> Iterator[None]:
+    """Inside (a repeat pass that scores its chunks' queries): where the chunks' attention can return its row
+    log-sum-exp (flash on CUDA), it runs as two attentions merged, over the context and over the chunk's own keys,
+    and hands the context part's log-sum-exp to :func:`take_context_lse`: the attention mass of those queries over
+    the context then needs no pass of its own for it (:func:`kvcompress.selection.attention_mass`, ``row_lse``)."""
+    token = _CONTEXT_LSE.set([])
+    try:
+        yield
+    finally:
+        _CONTEXT_LSE.reset(token)
+
+
+def take_context_lse(layer_idx: int) -> torch.Tensor | None:
+    """The ``[b, h_q, q]`` float32 log-sum-exp over the context keys of layer ``layer_idx``'s last chunk attention,
+    if it handed one over (once); else None."""
+    slot = _CONTEXT_LSE.get()
+    if not slot or slot[0] != layer_idx:
+        return None
+    lse = slot[1]
+    slot.clear()
+    return lse
+
+
+def _flash_with_lse(query, key, value, causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's flash operator on CUDA (grouped-query heads taken as they are): output ``[b, h_q, q, d]`` and the
+    row log-sum-exp ``[b, h_q, q]`` float32 (natural log) that the public sdpa call does not return."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scaling)
+    return out[0], out[1]
+
+
+def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower-right causal attention of ``q`` new queries over ``k_len`` keys (the last ``q`` their own) as two
+    attentions merged by their log-sum-exps, FlashDecoding's split: over the ``k_len - q`` context keys (all
+    visible) and over the queries' own keys (causal). ``attend(q, k, v, causal, scaling) -> (out, lse)``. Returns
+    the output ``[b, h_q, q, d]`` (query dtype) and the context part's ``[b, h_q, q]`` float32 log-sum-exp."""
+    context = key.shape[-2] - query.shape[-2]
+    out_context, lse_context = attend(query, key[:, :, :context], value[:, :, :context], False, scaling)
+    out_own, lse_own = attend(query, key[:, :, context:], value[:, :, context:], True, scaling)
+    wide = torch.promote_types(query.dtype, torch.float32)  # the merge in float32 at least
+    lse_context, lse_own = lse_context.to(wide), lse_own.to(wide)
+    lse = torch.logaddexp(lse_context, lse_own)
+    share_context, share_own = (lse_context - lse).exp()[..., None], (lse_own - lse).exp()[..., None]
+    out = out_context.to(wide) * share_context + out_own.to(wide) * share_own
+    return out.to(query.dtype), lse_context.float()
+
+
+def _split_wanted(query: torch.Tensor) -> bool:
+    """Whether a chunk attention on ``query``'s device hands its context log-sum-exp over: on CUDA, where the mass
+    kernel would otherwise run a first pass for it."""
+    return query.device.type == "cuda"
 
 
 def _lower_right_causal_sdpa(
@@ -65,6 +122,17 @@ def _lower_right_causal_sdpa(
         params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, False, grouped)
         if not torch.backends.cuda.can_use_flash_attention(params):
             return None
+    slot = _CONTEXT_LSE.get()
+    if slot is not None and _split_wanted(query):
+        try:
+            out, lse = split_at_context(
+                query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling, _flash_with_lse
+            )
+        except (RuntimeError, TypeError) as error:  # a flash operator this torch build lacks or refuses
+            logger.warning_once(f"kvcompress: the repeat chunks' attention hands no log-sum-exp over ({error})")
+        else:
+            slot[:] = [getattr(module, "layer_idx", None), lse]
+            return out.transpose(1, 2).contiguous()
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scaling, enable_gqa=grouped
     )

@@ -26,7 +26,7 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvcompress.hf_attention import new_tokens_see_all_cached
+from kvcompress.hf_attention import new_tokens_see_all_cached, take_context_lse
 from kvcompress.selection import attention_mass, key_novelty
 
 SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty")
@@ -130,11 +130,15 @@ def record_repeat(
     """Add one repeat chunk's queries (hook ``kwargs`` of the chunk's forward) to ``reference``.
 
     ``keys``: the layer's context keys ``[b, h_kv, n, d]`` (without the chunk's own rows). ``samples`` of the
-    ``total`` repeat queries are kept for the fit, spread evenly over the chunks in proportion to their size.
+    ``total`` repeat queries are kept for the fit, spread evenly over the chunks in proportion to their size. The
+    softmax is over the context keys; where the chunk's attention handed over its log-sum-exp over them
+    (:func:`kvcompress.hf_attention.handing_over_context_lse`) the mass reuses it.
     """
     hidden = kwargs["hidden_states"]
     queries = post_rope_queries(module, hidden, kwargs["position_embeddings"])
-    mass = attention_mass(queries, keys, module.scaling, reduce=reference.reduce)
+    lse = take_context_lse(module.layer_idx)
+    lse = lse if lse is not None and lse.shape == queries.shape[:3] else None
+    mass = attention_mass(queries, keys, module.scaling, reduce=reference.reduce, row_lse=lse)
     keep = even_sample(hidden.shape[1], max(1, round(samples * hidden.shape[1] / total)), keys.device)
     positions = torch.full((len(keep),), keys.shape[-2] - 1, dtype=torch.long, device=keys.device)
     reference.add("repeat", mass, queries[:, :, keep], positions)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvcompress.hf_attention import handing_over_context_lse
 from kvcompress.offload import ParkedLayers
 from kvcompress.padding import row_view_cache
 from kvcompress.reference import (
@@ -121,7 +122,8 @@ class RepeatPassHooks:
         }
         self._repeating, self._snapshot = True, snapshot_layers(cache)
         try:
-            yield
+            with handing_over_context_lse():
+                yield
         finally:
             self._pending, self._repeating, self._snapshot = saved, False, []
 

@@ -29,6 +29,7 @@ def attention_mass(
     *,
     reduce: str = "sum",
     key_mask: torch.Tensor | None = None,
+    row_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of every query over ``keys``, reduced per key over the queries and their GQA group.
 
@@ -38,24 +39,29 @@ def attention_mass(
     ``key_mask``: optional ``[b, n]`` bool, False for keys no query sees (padding). ``reduce="sum"``: each
     query contributes 1 in total, so the result sums to ``m * h_q / h_kv`` per KV head (a query that sees
     no key contributes 0); ``reduce="max"``: the largest probability any query of the group gives the key
-    (KVzip's score, Kim et al., arXiv 2505.23416). Returns ``[b, h_kv, n]`` float32.
+    (KVzip's score, Kim et al., arXiv 2505.23416). ``row_lse``: optional ``[b, h_q, m]`` float32, each query's
+    softmax normaliser (natural log) as an attention that already ran computed it, over ``keys`` and possibly more
+    (a repeat chunk's own keys): the probabilities are then ``exp(logit - row_lse)``, and the fused kernel skips its
+    first pass. Returns ``[b, h_kv, n]`` float32.
 
     The m x n probabilities are never held at once: on CUDA a fused two-pass Triton kernel
     (:mod:`kvcompress.kernels.attention_mass`, 16-bit tensor-core dots, fp32 statistics); elsewhere softmax
     in float32 over query chunks of at most ``_CHUNK_ELEMENTS`` logits (``_DEVICE_CHUNK_ELEMENTS`` off the CPU).
     """
-    _check_mass_inputs(queries, keys, query_positions, reduce, key_mask)
+    _check_mass_inputs(queries, keys, query_positions, reduce, key_mask, row_lse)
     if queries.device.type == "cuda" and queries.shape[2] > 0:
         from kvcompress.kernels import attention_mass as kernel
 
         if kernel.unsupported_reason(queries, keys) is None:
             return kernel.attention_mass_kernel(
-                queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask
+                queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask, row_lse=row_lse
             )
-    return attention_mass_torch(queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask)
+    return attention_mass_torch(
+        queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask, row_lse=row_lse
+    )
 
 
-def _check_mass_inputs(queries, keys, query_positions, reduce, key_mask) -> None:
+def _check_mass_inputs(queries, keys, query_positions, reduce, key_mask, row_lse=None) -> None:
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce: must be one of 'sum', 'max', got {reduce!r}")
     if queries.dim() != 4 or keys.dim() != 4:
@@ -68,6 +74,9 @@ def _check_mass_inputs(queries, keys, query_positions, reduce, key_mask) -> None
     if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, n)):
         got = f"{key_mask.dtype} {tuple(key_mask.shape)}"
         raise ValueError(f"key_mask: must be a bool tensor of shape [{batch}, {n}], got {got}")
+    if row_lse is not None and (not row_lse.is_floating_point() or tuple(row_lse.shape) != (batch, heads_q, m)):
+        got = f"{row_lse.dtype} {tuple(row_lse.shape)}"
+        raise ValueError(f"row_lse: must be a floating tensor of shape [{batch}, {heads_q}, {m}], got {got}")
 
 
 def attention_mass_torch(
@@ -78,6 +87,7 @@ def attention_mass_torch(
     *,
     reduce: str = "sum",
     key_mask: torch.Tensor | None = None,
+    row_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PyTorch path of :func:`attention_mass` (same arguments and result): float32 softmax over query
     chunks, each at most ``_CHUNK_ELEMENTS`` logits."""
@@ -85,6 +95,8 @@ def attention_mass_torch(
     heads_kv, n = keys.shape[1], keys.shape[2]
     group = heads_q // heads_kv
     grouped = queries.reshape(batch, heads_kv, group, m, dim)
+    if row_lse is not None:
+        row_lse = row_lse.to(device=keys.device, dtype=torch.float32).reshape(batch, heads_kv, group, m)
     keys = keys.float()
     hidden = None if key_mask is None else ~key_mask.to(keys.device)[:, None, None, None, :]
     total = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)
@@ -104,11 +116,15 @@ def attention_mass_torch(
             logits.masked_fill_(hidden[..., :seen], -math.inf)
         if query_positions is not None:
             logits.masked_fill_(key_index[:seen] > positions[:, None], -math.inf)
-        peak = logits.amax(-1, keepdim=True)
-        peak = torch.where(peak > -math.inf, peak, 0.0)  # a query that sees no key: all terms 0
-        probs = logits.sub_(peak).exp_()
-        total_row = probs.sum(-1)  # [b, h, g, c]
-        inverse = torch.where(total_row > 0, 1.0 / total_row, 0.0)
+        if row_lse is None:
+            peak = logits.amax(-1, keepdim=True)
+            peak = torch.where(peak > -math.inf, peak, 0.0)  # a query that sees no key: all terms 0
+            probs = logits.sub_(peak).exp_()
+            total_row = probs.sum(-1)  # [b, h, g, c]
+            inverse = torch.where(total_row > 0, 1.0 / total_row, 0.0)
+        else:  # the normaliser of an attention that already ran
+            probs = logits.sub_(row_lse[:, :, :, start : start + step, None]).exp_()
+            inverse = torch.ones_like(probs[..., 0])
         if reduce == "sum":  # sum_i e_ij / Z_i: one matrix-vector product per KV head
             total[..., :seen] += torch.einsum("bhgmn,bhgm->bhn", probs, inverse)
         elif seen:

@@ -1,4 +1,4 @@
-"""eval/bench_repeat_attention.py at tiny sizes on CPU: both variants timed and reported in the table and the
+"""eval/bench_repeat_attention.py at tiny sizes on CPU: every variant timed and reported in the table and the
 JSON with the path each ran, their outputs equal, bad arguments exit with a message naming the flag. A smoke
 test, not a measurement."""
 
@@ -18,16 +18,18 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_smoke_run_reports_both_variants(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_smoke_run_reports_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     output = tmp_path / "repeat.json"
     assert bench.main([*TINY, "--output", str(output)]) == 0
     assert f"wrote {output}" in capsys.readouterr().out
     data = json.loads(output.read_text())
-    assert [(r["context"], r["variant"]) for r in data["rows"]] == [(300, "masked"), (300, "lower-right")]
-    masked, lower_right = data["rows"]
+    variants = [(r["context"], r["variant"]) for r in data["rows"]]
+    assert variants == [(300, "masked"), (300, "lower-right"), (300, "split")]
+    masked, lower_right, split = data["rows"]
     value = bench.make_case(300, 64, 4, 2, 16, torch.float32, torch.device("cpu"))["value"]
     bound = (4 * (16 + 364) + 1) * 2.0**-24 * value.abs().max().item()  # both float32: logits' and sums' rounding
     assert masked["path"] == "transformers sdpa, explicit mask" and lower_right["path"].startswith("lower-right")
+    assert split["path"] == lower_right["path"]  # the CPU does not split (no flash operator to hand an LSE over)
     for row in data["rows"]:
         assert 0 < row["min_ms"] <= row["median_ms"] and row["samples"] == 2
         assert row["pass_s"] == pytest.approx(3 * 5 * row["median_ms"] / 1e3)  # 3 layers x 5 chunks of 64

@@ -105,6 +105,31 @@ def test_torch_path_chunked_equals_dense_and_float64(reduce, monkeypatch):
         torch.testing.assert_close(chunked, dense, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_lse_of_a_wider_softmax(dtype, reduce, path):
+    """A repeat chunk's mass from its own attention's normaliser: c queries after n context keys, each seeing the
+    context and the chunk's keys up to itself (lower-right causal); given that softmax's row log-sum-exp, both paths
+    reduce its probabilities on the context keys alone (the kernel without its first pass)."""
+    n, c, heads_q, heads_kv = 97, 23, 6, 2
+    q, every = make_inputs(2, heads_q, heads_kv, c, n + c, 32, dtype, seed=17, strided=True)
+    positions = torch.arange(n, n + c)
+    expected = float64_attention_mass(q, every, 0.35, positions, reduce=reduce)[..., :n]
+    logits = 0.35 * q.cpu().double() @ every.cpu().double().repeat_interleave(heads_q // heads_kv, 1).mT
+    lse = torch.logsumexp(logits.masked_fill(torch.arange(n + c) > positions[:, None], -torch.inf), -1)
+    context = every[:, :, :n]
+    if path == "kernel":
+        got = kernel.attention_mass_kernel(q, context, 0.35, reduce=reduce, row_lse=lse.float().to(DEVICE))
+    else:
+        got = attention_mass_torch(q.cpu(), context.cpu(), 0.35, reduce=reduce, row_lse=lse.float())
+    scale = expected.amax(-1, keepdim=True).clamp_min(1e-12)
+    tol = TOL[dtype] if path == "kernel" else TOL[torch.float32]
+    torch.testing.assert_close(got.cpu().double() / scale, expected / scale, rtol=0, atol=tol)
+    if reduce == "sum":  # the chunk's own keys took the rest of each query's 1
+        assert torch.all(got.sum(-1).cpu() < c * heads_q / heads_kv * (1 - 1e-3))
+
+
 def test_public_entry_dispatches_and_checks_arguments():
     q, k = make_inputs(1, 4, 2, 9, 40, 16, torch.float32, seed=1)
     got = attention_mass(q, k, 0.5, reduce="max")
@@ -117,3 +142,5 @@ def test_public_entry_dispatches_and_checks_arguments():
         attention_mass(q, k, 0.5, key_mask=torch.ones(1, 39, dtype=torch.bool))
     with pytest.raises(ValueError, match="keys: shape"):
         attention_mass(q, k[:, :, :, :8], 0.5)
+    with pytest.raises(ValueError, match=r"row_lse: must be a floating tensor of shape \[1, 4, 9\]"):
+        attention_mass(q, k, 0.5, row_lse=torch.zeros(1, 2, 9))

@@ -137,3 +137,80 @@ def test_repeat_settings_keep_their_cache(press, family, monkeypatch):
         assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
         if hasattr(expected, "row_weights"):
             torch.testing.assert_close(layer.row_weights, expected.row_weights, rtol=1e-5, atol=1e-6)
+
+
+def math_attend(query, key, value, causal, scaling):
+    """``(out [b, h_q, q, d], lse [b, h_q, q])`` by the definition in the inputs' dtype: the CPU stand-in of the flash
+    operator (``hf_attention._flash_with_lse``); ``causal``: query i sees keys ``<= i`` (as many keys as queries)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    logits = (query @ key.transpose(-1, -2)) * scaling
+    if causal:
+        logits = logits.masked_fill(~lower_right(query.shape[-2], key.shape[-2], query.device), float("-inf"))
+    lse = logits.logsumexp(-1)
+    return (logits - lse[..., None]).exp() @ value, lse
+
+
+def _check_split(query, key, value, attend, atol_out: float, atol_lse: float) -> None:
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    out, lse = hf_attention.split_at_context(query, key, value, 0.125, attend)
+    expected = float64_attention(query, key, value, 0.125, lower_right(q_len, k_len, query.device)).transpose(1, 2)
+    assert out.dtype == query.dtype and lse.dtype == torch.float32
+    assert (out.double().cpu() - expected.cpu()).abs().max().item() <= atol_out
+    groups = query.shape[1] // key.shape[1]
+    context = key[:, :, : k_len - q_len].double().repeat_interleave(groups, 1)
+    expected_lse = ((query.double() @ context.transpose(-1, -2)) * 0.125).logsumexp(-1)
+    assert (lse.double().cpu() - expected_lse.cpu()).abs().max().item() <= atol_lse
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (7, 1)])
+def test_split_at_context_against_the_float64_definition(heads, kv_heads):
+    """Context part and own part merged by their log-sum-exps = the lower-right attention over all keys; the
+    context part's log-sum-exp is the one over the context keys alone (float64 inputs: exact up to rounding; the
+    log-sum-exp is returned in float32, half a unit of it)."""
+    query, key, value = inputs(heads, kv_heads, 24, 90, torch.float64, "cpu", seed=heads)
+    _check_split(query, key, value, math_attend, atol_out=1e-12, atol_lse=2.0**-24 * 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: torch's flash operator")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_at_context_with_flash_on_cuda(dtype):
+    """The flash operator's parts (grouped heads as they are) merged: within the lower-right path's tolerance plus
+    the merge's one rounding of the output to ``dtype``; the log-sum-exp within float32 accumulation of 64-term
+    dots (|logit| <= ~10)."""
+    query, key, value = inputs(8, 2, 64, 300, dtype, "cuda", seed=3)
+    atol_out = tolerance(value, 300, dtype) + UNIT[dtype] * value.abs().max().item()
+    _check_split(query, key, value, hf_attention._flash_with_lse, atol_out=atol_out, atol_lse=1e-4)
+
+
+@pytest.mark.parametrize(
+    "press",
+    [
+        CompressKVPress.thorough(compression_ratio=0.6, seed=0, repeat_chunk=128),
+        CompressKVPress.balanced(compression_ratio=0.6, seed=0, repeat_chunk=32),
+    ],
+    ids=["thorough", "balanced"],
+)
+def test_handed_over_lse_keeps_the_cache(press, monkeypatch):
+    """The chunk attention split at the context and its log-sum-exp handed to the mass (CUDA's path, forced on the
+    CPU with the definition standing in for flash; a float64 model): every repeat chunk of every layer hands one
+    over, and the cache is the one without (same rows, values and weights within float64 rounding)."""
+    model, context = tiny_model("qwen2", dtype=torch.float64), tokens(320, 5)
+    plain = compressed_cache(model, press, context)
+    monkeypatch.setattr(hf_attention, "_split_wanted", lambda query: True)
+    monkeypatch.setattr(hf_attention, "_flash_with_lse", math_attend)
+    handed, original = [], reference.attention_mass
+
+    def spy(*args, **kwargs):
+        handed.append(kwargs.get("row_lse") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "attention_mass", spy)
+    split = compressed_cache(model, press, context)
+    pieces = reference.spread_pieces(320, press.repeat_fraction, press.repeat_span)  # as many as the novel ones
+    chunks = -(-(320 if pieces is None else len(pieces)) // press.repeat_chunk)
+    assert sum(handed) == chunks * len(model.model.layers)
+    for expected, layer in zip(plain.layers, split.layers, strict=True):
+        assert torch.equal(layer.keys, expected.keys)
+        torch.testing.assert_close(layer.values, expected.values, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(layer.row_weights, expected.row_weights, rtol=1e-9, atol=1e-12)

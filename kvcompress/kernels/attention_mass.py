@@ -15,6 +15,9 @@ block of keys): the key tile stays on chip while the program runs over every row
 causally before the tile are skipped. Dots run on the inputs' dtype (bf16 / fp16 tensor cores) with fp32
 accumulation; any strides, no copies.
 
+When an attention over these queries already ran, its row log-sum-exp can be handed in (``row_lse``) and pass 1 is
+skipped: the probabilities are then that softmax's, whatever keys it covered beyond these (the repeat chunk's own).
+
 Work per (batch, KV head): ``4 * group * m * n * d`` FLOPs (the ``QK^T`` of both passes), less the causal skip;
 memory: ``group * m`` fp32 row statistics and the ``[n]`` output. Set ``TRITON_INTERPRET=1`` before importing
 this module to run it on CPU tensors (tests); the public entry is :func:`kvcompress.selection.attention_mass`.
@@ -199,14 +202,16 @@ def attention_mass_kernel(
     *,
     reduce: str = "sum",
     key_mask: torch.Tensor | None = None,
+    row_lse: torch.Tensor | None = None,
     block_r: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Launcher of both passes: queries ``[b, h_q, m, d]``, keys ``[b, h_kv, n, d]`` (same dtype, any strides),
     ``query_positions [m]`` int (query i sees keys ``j <= query_positions[i]``; None: every key), ``key_mask``
-    ``[b, n]`` bool (False: a key no query sees). Inputs must be validated by
-    :func:`kvcompress.selection.attention_mass`. ``block_r`` / ``block_n``: tile sizes (powers of two >= 16)
-    overriding the defaults (tests, tuning). Returns ``[b, h_kv, n]`` float32."""
+    ``[b, n]`` bool (False: a key no query sees). ``row_lse``: ``[b, h_q, m]`` float32 natural-log normaliser of
+    each query's softmax, when an attention that already ran computed it: pass 1 is skipped. Inputs must be
+    validated by :func:`kvcompress.selection.attention_mass`. ``block_r`` / ``block_n``: tile sizes (powers of two
+    >= 16) overriding the defaults (tests, tuning). Returns ``[b, h_kv, n]`` float32."""
     reason = unsupported_reason(queries, keys)
     if reason is not None:
         raise ValueError(f"attention mass kernel: {reason}")
@@ -220,7 +225,6 @@ def attention_mass_kernel(
     positions = query_positions.to(device=device, dtype=torch.int64) if query_positions is not None else None
     pos_t = positions if positions is not None else torch.zeros(1, dtype=torch.int64, device=device)
     mask_t = key_mask.view(torch.uint8) if key_mask is not None else torch.zeros(1, 1, dtype=torch.uint8, device=device)
-    lse = torch.empty(batch * heads_kv, rows, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads_kv, n, dtype=torch.float32, device=device)
     rows_pass, column_pass = launch_config(
         dim, queries.dtype, positions is not None, key_mask is not None, reduce, block_r, block_n
@@ -229,9 +233,13 @@ def attention_mass_kernel(
         heads_kv, group, m, rows, n, scaling * LOG2E,
         *queries.stride(), *keys.stride(), pos_t.stride(0), *mask_t.stride(),
     )  # fmt: skip
-    _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, rows_pass["BLOCK_R"]))](
-        queries, keys, pos_t, mask_t, lse, *common, **rows_pass
-    )
+    if row_lse is None:
+        lse = torch.empty(batch * heads_kv, rows, dtype=torch.float32, device=device)
+        _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, rows_pass["BLOCK_R"]))](
+            queries, keys, pos_t, mask_t, lse, *common, **rows_pass
+        )
+    else:  # rows of a KV head: its group's query heads one after the other, each over the m queries; log2 units
+        lse = (row_lse.to(device=device, dtype=torch.float32) * LOG2E).reshape(batch * heads_kv, rows)
     _column_kernel[(batch * heads_kv, triton.cdiv(n, column_pass["BLOCK_N"]))](
         queries, keys, pos_t, mask_t, lse, out, *common, **column_pass
     )
