@@ -58,67 +58,21 @@ def test_streamed_repeat_keeps_the_whole_pass_cache(family, press, monkeypatch):
         torch.testing.assert_close(a.row_weights, b.row_weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("streamed", [True, False])
-def test_one_full_layer_at_a_time_when_streamed(streamed, monkeypatch):
-    """At each layer's prefill attention: the layers holding all n rows (the streamed pass: that layer alone; the
-    whole pass: every layer so far)."""
-    model, context = tiny_model("qwen2", num_hidden_layers=4), tokens(CONTEXT, 8)
-    if not streamed:
-        _whole_pass(monkeypatch)
-    full_layers = []
+def _full_layers(model, press) -> tuple[DynamicCache, list[int], dict[int, set[int]]]:
+    """The compressed cache; at each layer's prefill attention the number of layers holding all the context's rows;
+    at each repeat chunk's attention, per layer, the numbers of layers holding at least them."""
+    at_prefill, at_repeat = [], {}
 
-    def count(module, args, kwargs, output):  # registered before the press's hook: sees the prefill's cache
-        cache = kwargs["past_key_values"]
+    def count(module, args, kwargs, output):  # registered before the press's hook: sees the cache as it is
+        layers = kwargs["past_key_values"].layers
         if kwargs["hidden_states"].shape[1] == CONTEXT:
-            full_layers.append(sum(layer.keys.shape[-2] == CONTEXT for layer in cache.layers))
+            at_prefill.append(sum(layer.keys.shape[-2] == CONTEXT for layer in layers))
+        else:
+            at_repeat.setdefault(module.layer_idx, set()).add(sum(layer.keys.shape[-2] >= CONTEXT for layer in layers))
 
     hooks = [layer.self_attn.register_forward_hook(count, with_kwargs=True) for layer in model.model.layers]
     try:
-        compressed_cache(model, PRESSES["thorough"](), context)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert full_layers == ([1, 1, 1, 1] if streamed else [1, 2, 3, 4])
-
-
-def test_after_the_prefill_full_layers_go_one_by_one(monkeypatch):
-    """balanced(): its pieces need every layer's novelty, so every layer holds its full cache at the end of the
-    prefill; the pass then compresses layer l before it reads layer l + 1 (at layer l's repeat attention, the layers
-    still full are l..L-1), where the whole-model pass holds them all until it ends."""
-    model, context = tiny_model("qwen2", num_hidden_layers=4), tokens(CONTEXT, 8)
-    seen = {}
-
-    def count(module, args, kwargs, output):
-        cache = kwargs["past_key_values"]
-        if kwargs["hidden_states"].shape[1] != CONTEXT:  # a repeat chunk: full layers hold at least the context
-            full = sum(layer.keys.shape[-2] >= CONTEXT for layer in cache.layers)
-            seen.setdefault(module.layer_idx, set()).add(full)
-
-    hooks = [layer.self_attn.register_forward_hook(count, with_kwargs=True) for layer in model.model.layers]
-    try:
-        compressed_cache(model, PRESSES["balanced"](), context)
-        assert seen == {0: {4}, 1: {3}, 2: {2}, 3: {1}}
-        seen.clear()
-        _whole_pass(monkeypatch)
-        compressed_cache(model, PRESSES["balanced"](), context)
-        assert seen == {0: {4}, 1: {4}, 2: {4}, 3: {4}}
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def _full_layers_at_prefill(model, press) -> tuple[DynamicCache, list[int]]:
-    """The compressed cache, and at each layer's prefill attention the number of layers holding all its rows."""
-    full_layers = []
-
-    def count(module, args, kwargs, output):  # registered before the press's hook: sees the prefill's cache
-        cache = kwargs["past_key_values"]
-        if kwargs["hidden_states"].shape[1] == CONTEXT:
-            full_layers.append(sum(layer.keys.shape[-2] == CONTEXT for layer in cache.layers))
-
-    hooks = [layer.self_attn.register_forward_hook(count, with_kwargs=True) for layer in model.model.layers]
-    try:
-        return compressed_cache(model, press, tokens(CONTEXT, 13).to(model.device)), full_layers
+        return compressed_cache(model, press, tokens(CONTEXT, 13).to(model.device)), at_prefill, at_repeat
     finally:
         for hook in hooks:
             hook.remove()
@@ -130,18 +84,40 @@ def _assert_same_cache(a: DynamicCache, b: DynamicCache) -> None:
         assert torch.equal(x.row_weights, y.row_weights)
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_one_full_layer_at_a_time_when_streamed(streamed, monkeypatch):
+    """At each layer's prefill attention: the layers holding all n rows (the streamed pass: that layer alone; the
+    whole pass: every layer so far)."""
+    if not streamed:
+        _whole_pass(monkeypatch)
+    _, held, _ = _full_layers(tiny_model("qwen2", num_hidden_layers=4), PRESSES["thorough"]())
+    assert held == ([1, 1, 1, 1] if streamed else [1, 2, 3, 4])
+
+
+def test_after_the_prefill_full_layers_go_one_by_one(monkeypatch):
+    """balanced(): its pieces need every layer's novelty, so every layer holds its full cache at the end of the
+    prefill; the pass then compresses layer l before it reads layer l + 1 (at layer l's repeat attention, the layers
+    still full are l..L-1), where the whole-model pass holds them all until it ends."""
+    model = tiny_model("qwen2", num_hidden_layers=4)
+    _, _, at_repeat = _full_layers(model, PRESSES["balanced"]())
+    assert at_repeat == {0: {4}, 1: {3}, 2: {2}, 3: {1}}
+    _whole_pass(monkeypatch)
+    _, _, at_repeat = _full_layers(model, PRESSES["balanced"]())
+    assert at_repeat == {0: {4}, 1: {4}, 2: {4}, 3: {4}}
+
+
 def test_parked_layers_wait_in_host_memory_and_keep_the_cache(monkeypatch):
     """balanced() with each waiting layer parked right after its prefill (CUDA's behaviour, forced on the CPU): during
     the prefill only the layer being prefilled holds its rows, and the cache is the unparked one bit for bit."""
     model = tiny_model("qwen2", num_hidden_layers=4)
-    plain, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    plain, held, _ = _full_layers(model, PRESSES["balanced"]())
     assert held == [1, 2, 3, 4]
     monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: True))
-    parked, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    parked, held, _ = _full_layers(model, PRESSES["balanced"]())
     assert held == [1, 1, 1, 1]
     _assert_same_cache(parked, plain)
     # thorough() streams (compresses each layer right after its prefill): nothing to park.
-    _, held = _full_layers_at_prefill(model, PRESSES["thorough"]())
+    _, held, _ = _full_layers(model, PRESSES["thorough"]())
     assert held == [1, 1, 1, 1]
 
 
@@ -168,10 +144,10 @@ def test_parked_layers_on_cuda_keep_the_cache(monkeypatch):
     """On CUDA balanced() parks by default (side-stream copies out and back): the same cache as without parking."""
     assert ParkedLayers.wanted(torch.device("cuda")) and not ParkedLayers.wanted(torch.device("cpu"))
     model = tiny_model("qwen2", num_hidden_layers=4).cuda()
-    parked, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    parked, held, _ = _full_layers(model, PRESSES["balanced"]())
     assert held == [1, 1, 1, 1]
     monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: False))
-    plain, held = _full_layers_at_prefill(model, PRESSES["balanced"]())
+    plain, held, _ = _full_layers(model, PRESSES["balanced"]())
     assert held == [1, 2, 3, 4]
     _assert_same_cache(parked, plain)
 
