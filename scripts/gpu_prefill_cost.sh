@@ -24,7 +24,7 @@ checkpoint() {
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PYTHON" -m pytest tests/test_kernel_attention_mass.py tests/test_kernel_fit_products.py tests/test_selection_fitting.py \
-    tests/test_repeat_attention.py tests/test_repeat_pass.py::test_parked_layers_on_cuda_keep_the_cache -q \
+    tests/test_repeat_attention.py tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -q \
     -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
 tail -1 "$OUT/kernel_tests.txt"
 checkpoint

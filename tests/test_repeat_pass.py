@@ -106,13 +106,22 @@ def test_after_the_prefill_full_layers_go_one_by_one(monkeypatch):
     assert at_repeat == {0: {4}, 1: {4}, 2: {4}, 3: {4}}
 
 
-def test_parked_layers_wait_in_host_memory_and_keep_the_cache(monkeypatch):
-    """balanced() with each waiting layer parked right after its prefill (CUDA's behaviour, forced on the CPU): during
-    the prefill only the layer being prefilled holds its rows, and the cache is the unparked one bit for bit."""
-    model = tiny_model("qwen2", num_hidden_layers=4)
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))],
+)
+def test_parked_layers_wait_in_host_memory_and_keep_the_cache(device, monkeypatch):
+    """balanced() with each waiting layer parked right after its prefill (by default on CUDA, side-stream copies out
+    and back; forced on the CPU): during the prefill only the layer being prefilled holds its rows (every layer so far
+    when not parked), and the cache is the unparked one bit for bit."""
+    assert ParkedLayers.wanted(torch.device("cuda")) and not ParkedLayers.wanted(torch.device("cpu"))
+    model = tiny_model("qwen2", num_hidden_layers=4).to(device)
+    monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: False))
     plain, held, _ = _full_layers(model, PRESSES["balanced"]())
     assert held == [1, 2, 3, 4]
-    monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: True))
+    monkeypatch.undo()
+    if device == "cpu":
+        monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: True))
     parked, held, _ = _full_layers(model, PRESSES["balanced"]())
     assert held == [1, 1, 1, 1]
     _assert_same_cache(parked, plain)
@@ -137,19 +146,6 @@ def test_parked_layers_round_trip():
     for layer, (keys, values) in zip(cache.layers, rows, strict=True):
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
     assert not parked.host and not parked.arriving
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the side stream's copies")
-def test_parked_layers_on_cuda_keep_the_cache(monkeypatch):
-    """On CUDA balanced() parks by default (side-stream copies out and back): the same cache as without parking."""
-    assert ParkedLayers.wanted(torch.device("cuda")) and not ParkedLayers.wanted(torch.device("cpu"))
-    model = tiny_model("qwen2", num_hidden_layers=4).cuda()
-    parked, held, _ = _full_layers(model, PRESSES["balanced"]())
-    assert held == [1, 1, 1, 1]
-    monkeypatch.setattr(ParkedLayers, "wanted", staticmethod(lambda device: False))
-    plain, held, _ = _full_layers(model, PRESSES["balanced"]())
-    assert held == [1, 2, 3, 4]
-    _assert_same_cache(parked, plain)
 
 
 def test_the_whole_pass_stays_where_streaming_cannot(monkeypatch):
