@@ -4,7 +4,9 @@ Registered under one name with ``AttentionInterface`` and ``AttentionMaskInterfa
 compressed cache layer (see :mod:`kvcompress.cache`) it runs weighted attention (Alg. 3); anywhere
 else it hands the call to the stock sdpa function unchanged, so a never-compressed cache gives
 exactly the sdpa result. The one exception is inside :func:`new_tokens_see_all_cached`, where the
-repeat pass's chunks (new tokens after a full, unpadded cache) run a lower-right causal sdpa.
+repeat pass's chunks (new tokens after a full, unpadded cache) run a lower-right causal sdpa; on CUDA, while the
+pass records (:func:`handing_over_context_lse`), as two flash calls split at the context's end whose context
+log-sum-exp the attention mass reuses.
 """
 
 from __future__ import annotations
