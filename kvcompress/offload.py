@@ -6,9 +6,10 @@ activations peak: the no-press prefill's peak, above SnapKV's, which compresses 
 such layer is instead copied to pinned host memory right after its prefill, on a side stream (the copy overlaps the
 next layers' compute), and its device rows are freed; after the prefill the pass brings the layers back one at a
 time, the next one's copy in flight while the current one runs, and compresses each before the next (the device holds
-at most two full layers). A layer for which no pinned host memory can be had stays on the device. On the CPU
-nothing is parked (the cache already lives in host memory) unless asked, as the tests ask, to check that a round
-trip leaves the cache as it was.
+at most two full layers). The host holds the full cache meanwhile (torch's pinned-memory cache may round each
+block up to a power of two, and keeps the blocks for the next prefill); a layer for which no pinned host memory
+can be had stays on the device. On the CPU nothing is parked (the cache already lives in host memory) unless asked,
+as the tests ask, to check that a round trip leaves the cache as it was.
 """
 
 from __future__ import annotations
