@@ -158,8 +158,8 @@ class CompressKVPress(WeightedSubsetPress):
         rows. About a quarter of ``thorough()``'s extra forward; the fit on the 64 window queries and 64 of the
         repeat pass's (``fit_queries=64``: 2.2x the no-press prefill on an H200 at 32k tokens, 2.3x with 256). Its
         pieces are chosen from every layer's novelty, so the pass runs after the prefill, layer by layer; on CUDA
-        each layer's full cache waits in pinned host memory until its turn (about as much host memory as the full
-        cache), elsewhere every layer holds its full cache until its turn."""
+        each layer's full cache waits in pinned host memory until its turn (host memory of the full cache's size, up
+        to twice that: :mod:`kvcompress.offload`), elsewhere every layer holds its full cache until its turn."""
         settings = dict(
             reference=("window", "novelty", "repeat"), repeat_fraction=0.25, repeat_span=32, repeat_pieces="novel",
             fit_queries=64,
