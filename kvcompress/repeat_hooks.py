@@ -68,9 +68,11 @@ class RepeatPassHooks:
             and hasattr(decoder, "embed_tokens")
         )
 
-    def _embedded_chunks(self, pieces: torch.Tensor | None) -> list[torch.Tensor]:
-        """The embeddings of the repeated tokens (positions ``pieces`` of the context, None: all), in chunks."""
+    def _embedded_chunks(self, references: list[LayerReference]) -> list[torch.Tensor]:
+        """The embeddings of the repeated tokens (:meth:`repeat_positions` of the context, given the waiting layers'
+        ``references``), in chunks."""
         decoder, input_ids = self._call
+        pieces = self.repeat_positions(input_ids.shape[1], input_ids.device, references)
         ids = input_ids if pieces is None else input_ids[:, pieces]
         with torch.no_grad():
             return [decoder.embed_tokens(chunk) for chunk in ids.split(self.repeat_chunk, dim=1)]
@@ -80,8 +82,7 @@ class RepeatPassHooks:
         layer right after its prefill; else False."""
         if layer_idx != 0 or self.repeat_reads_references() or not self._streamable(state):
             return False
-        input_ids = self._call[1]
-        return self._embedded_chunks(self.repeat_positions(input_ids.shape[1], input_ids.device, []))
+        return self._embedded_chunks([])
 
     def _repeat_streamed(self, layer: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder-layer hook, after a layer's prefill: stream the repeat pass through it and compress it."""
@@ -168,9 +169,7 @@ class RepeatPassHooks:
         compressed (its full cache freed) before the next; the same cache as the whole-model pass, whose chunks go
         through every layer in turn while every layer holds its full cache. ``parked``: the layers waiting in host
         memory, each brought back when its turn comes (the next one's copy started meanwhile)."""
-        input_ids = self._call[1]
-        references = [state["references"][0] for state in pending.values()]
-        hidden = self._embedded_chunks(self.repeat_positions(input_ids.shape[1], input_ids.device, references))
+        hidden = self._embedded_chunks([state["references"][0] for state in pending.values()])
         repeat_tokens = sum(chunk.shape[1] for chunk in hidden)
         for layer_idx, state in pending.items():
             if parked is not None:
