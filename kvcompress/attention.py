@@ -185,3 +185,20 @@ def _weighted_attention_torch(
     if v_max is not None:
         out = torch.minimum(out, v_max.to(compute).unsqueeze(2))
     return out.reshape(batch, heads_q, m, d_v).to(values.dtype)
+
+
+def merge_partial_attentions(
+    lse: torch.Tensor, out: torch.Tensor, *, base2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention from its parts over disjoint sets of keys (FlashDecoding's split-K combination): ``lse [S, ...]``
+    each part's log-sum-exp (natural log, or log2 with ``base2``; -inf where a part saw no key), ``out [S, ..., d]``
+    each part's normalised output. Returns the whole's log-sum-exp ``[...]`` (-inf where no part saw a key) and output
+    ``[..., d]`` (0 there), in the inputs' dtype: pass float32 or wider."""
+    top = lse.amax(0)
+    top = torch.where(top == -math.inf, 0.0, top)
+    share = torch.exp2(lse - top) if base2 else torch.exp(lse - top)  # each part's share of a row's denominator
+    total = share.sum(0)
+    denominator = total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    merged = torch.einsum("s...,s...d->...d", share, out).div_(denominator)
+    log_total = torch.log2(total) if base2 else torch.log(total)
+    return torch.where(total > 0, top + log_total, -math.inf), merged

@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
 import kvcompress.ops  # noqa: F401  (registers torch.ops.kvcompress.weighted_attention_rows)
-from kvcompress.attention import weighted_attention_unchecked
+from kvcompress.attention import merge_partial_attentions, weighted_attention_unchecked
 from kvcompress.cache import layer_of
 
 ATTENTION_NAME = "kvcompress"
@@ -90,10 +90,8 @@ def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.T
     out_context, lse_context = attend(query, key[:, :, :context], value[:, :, :context], False, scaling)
     out_own, lse_own = attend(query, key[:, :, context:], value[:, :, context:], True, scaling)
     wide = torch.promote_types(query.dtype, torch.float32)  # the merge in float32 at least
-    lse_context, lse_own = lse_context.to(wide), lse_own.to(wide)
-    lse = torch.logaddexp(lse_context, lse_own)
-    share_context, share_own = (lse_context - lse).exp()[..., None], (lse_own - lse).exp()[..., None]
-    out = out_context.to(wide) * share_context + out_own.to(wide) * share_own
+    lse = torch.stack((lse_context, lse_own)).to(wide)
+    out = merge_partial_attentions(lse, torch.stack((out_context, out_own)).to(wide))[1]
     return out.to(query.dtype), lse_context.float()
 
 

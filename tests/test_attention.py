@@ -194,3 +194,40 @@ def test_bad_key_mask_is_rejected(mask, message):
     q, k, v, w = random_inputs(1, 2, 1, 2, 6, 8, seed=3)
     with pytest.raises(ValueError, match=message):
         weighted_attention(q, k, v, w, key_mask=mask)
+
+
+@pytest.mark.parametrize("base2", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_merging_partial_attentions_is_the_attention_over_all_keys(base2, dtype, tol):
+    """Softmax attention over 3 disjoint key sets merged by their log-sum-exps = the one over every key (float64
+    reference); a part that saw no key (-inf, output 0) counts for nothing, and a row no part saw stays -inf / 0.
+    Tolerance: float32's rounding of O(1) logits and outputs, a few units of 2^-24."""
+    from kvcompress.attention import merge_partial_attentions
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 6, 40, generator=gen, dtype=torch.float64) * 3
+    values = torch.randn(5, 40, 9, generator=gen, dtype=torch.float64)
+    visible = torch.rand(5, 6, 40, generator=gen) < 0.7
+    visible[:, :, 10:20] = False  # part 1 (keys 10-19) sees nothing
+    visible[4, 5] = False  # a row that sees no key at all
+    logits = logits.masked_fill(~visible, -math.inf)
+    parts = [slice(0, 10), slice(10, 20), slice(20, 40)]
+    lse, out = [], []
+    for part in parts:
+        piece = logits[..., part]
+        part_lse = piece.logsumexp(-1)
+        prob = (piece - part_lse[..., None].masked_fill(part_lse[..., None] == -math.inf, 0.0)).exp()
+        out.append(prob @ values[:, part])
+        lse.append(part_lse / math.log(2) if base2 else part_lse)
+    merged_lse, merged_out = merge_partial_attentions(
+        torch.stack(lse).to(dtype), torch.stack(out).to(dtype), base2=base2
+    )
+    whole_lse = logits.logsumexp(-1)
+    prob = (logits - whole_lse[..., None].masked_fill(whole_lse[..., None] == -math.inf, 0.0)).exp()
+    expected = prob @ values
+    expected_lse = whole_lse / math.log(2) if base2 else whole_lse
+    assert merged_out.dtype == dtype and merged_lse.dtype == dtype
+    assert merged_lse[4, 5].item() == -math.inf and merged_out[4, 5].abs().max().item() == 0.0
+    seen = whole_lse > -math.inf
+    assert (merged_lse - expected_lse)[seen].abs().max().item() <= tol * 10
+    assert (merged_out - expected).abs().max().item() <= tol * 10

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.attention import merge_partial_attentions
 from kvcompress.kernels.launch import choose_num_splits, dot_in_fp32, sm_count, whole_tile_splits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
@@ -257,14 +258,11 @@ def attention_rows(
         *queries.stride(), *keys.stride(), *values.stride(), pos.stride(0), *lse.stride()[:2], *out.stride(),
         **config,
     )  # fmt: skip
-    if splits == 1:
-        return lse[0].masked_fill_(lse[0] == float("-inf"), float("inf")), out[0]
-    top = lse.amax(0)
-    top = torch.where(top == float("-inf"), 0.0, top)
-    share = torch.exp2(lse - top)  # [splits, P, M]: each split's part of a row's denominator, 0 where it saw none
-    total = share.sum(0)
-    out = torch.einsum("spm,spmd->pmd", share, out).div_(total.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
-    return torch.where(total > 0, top + torch.log2(total), float("inf")), out
+    if splits > 1:
+        lse, out = merge_partial_attentions(lse, out, base2=True)
+    else:
+        lse, out = lse[0], out[0]
+    return lse.masked_fill_(lse == float("-inf"), float("inf")), out
 
 
 def block_products(
