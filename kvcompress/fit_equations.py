@@ -102,8 +102,8 @@ def _sums(
     width = touched * k
     count = lows.shape[1]
     owner = torch.nn.functional.pad(owner, (0, count * span - n), value=-1)
-    slots = torch.arange(k, device=a.device)
     columns = torch.arange(touched, device=a.device)
+    column_bins = torch.arange(width, device=a.device) // k  # each product column's bin among a block's
     step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, width * d, width * span)))
     for first in range(0, count, step):
         last = min(count, first + step)
@@ -116,15 +116,12 @@ def _sums(
         if tail:
             chunk_values = torch.nn.functional.pad(chunk_values, (0, 0, 0, tail))
         owners = owner[:, positions].reshape(problems, chunk, span)
-        nearby = (owners - low[..., None]).clamp(0, touched - 1)  # each position's bin among the block's
-        local = (nearby * k)[..., None] + slots
-        c = c_all.gather(3, local) * (owners >= 0)[..., None]  # [P, c, span(positions), k]
+        # Each position's products with its own bin's kept rows only (its bin among the block's: owner - low).
+        own = (column_bins == (owners - low[..., None])[..., None]) & (owners >= 0)[..., None]
+        split = torch.where(own, c_all, 0.0)  # [P, c, span(positions), u * k]
         # Per block and nearby bin: sum over its positions of c (mass) and of c v (values), one small product.
-        split = torch.nn.functional.one_hot(nearby, touched).to(c.dtype)[..., None] * c[..., None, :]  # [P,c,s,u,k]
         block_mass = split.sum(2).reshape(problems, chunk * touched, k)
-        block_values = split.reshape(problems, chunk, span, width).transpose(-1, -2) @ chunk_values.reshape(
-            problems, chunk, span, d
-        )  # [P, c, u * k, d]
+        block_values = split.transpose(-1, -2) @ chunk_values.reshape(problems, chunk, span, d)  # [P, c, u * k, d]
         target = (low[..., None] + columns).clamp_max(bins - 1).reshape(problems, chunk * touched)
         mass.scatter_add_(1, target[..., None].expand(-1, -1, k), block_mass)
         value_rhs.scatter_add_(
