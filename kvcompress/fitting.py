@@ -133,15 +133,20 @@ class _QuerySet:
     numerator: torch.Tensor
     denominator: torch.Tensor
 
-    def errors(self, candidates: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    @staticmethod
+    def stack(candidates: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """C candidate fits ``(weights [P, r], kept_values [P, r, d])`` float32 as one ``[P, r, C (d + 1)]``
+        matrix for :meth:`errors`, its width padded to a multiple of 8 (cuBLAS's tensor-core kernels need it to run
+        at speed: 129 columns ran at about 3 TFLOP/s on an H100); built once for every query set."""
+        stacked = torch.cat([torch.cat([v, w[..., None]], -1) for w, v in candidates], -1)
+        return torch.nn.functional.pad(stacked, (0, -stacked.shape[-1] % 8))
+
+    def errors(self, stacked: torch.Tensor, count: int) -> torch.Tensor:
         """Squared error ``[C, P]`` of weighted attention over protected + kept rows against exact attention, for
-        C candidate fits ``(weights [P, r], kept_values [P, r, d])`` float32, from one product over all of them
-        (one read of ``kept_prob``; its width padded to a multiple of 8, which cuBLAS's tensor-core kernels
-        need to run at speed: 129 columns ran at about 3 TFLOP/s on an H100)."""
-        stacked = torch.cat([torch.cat([v, w[..., None]], -1) for w, v in candidates], -1)  # [P, r, C (d + 1)]
-        columns = stacked.shape[-1]
-        stacked = torch.nn.functional.pad(stacked, (0, -columns % 8))
-        kept = (self.kept_prob @ stacked)[..., :columns].unflatten(-1, (len(candidates), -1))  # [P, M, C, d + 1]
+        the ``count`` candidate fits :meth:`stack` put in ``stacked``, from one product over all of them (one read
+        of ``kept_prob``)."""
+        columns = count * (self.exact.shape[-1] + 1)
+        kept = (self.kept_prob @ stacked)[..., :columns].unflatten(-1, (count, -1))  # [P, M, C, d + 1]
         numerator = self.numerator[:, :, None] + kept[..., :-1]
         denominator = self.denominator[:, :, None] + kept[..., -1]
         out = numerator / denominator.clamp_min(torch.finfo(denominator.dtype).tiny)[..., None]
@@ -238,7 +243,8 @@ def _fit(
     held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
     fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
     candidates = [(ones, unfitted), (held_w, held_v), (fit_w, fit_v)]
-    (plain_even, _, fit_even), (plain_odd, held_odd, fit_odd) = (check.errors(candidates) for check in checks)
+    stacked = _QuerySet.stack(candidates)
+    (plain_even, _, fit_even), (plain_odd, held_odd, fit_odd) = (check.errors(stacked, 3) for check in checks)
     better_held_out = held_odd < plain_odd
     better_in_sample = fit_even + fit_odd < plain_even + plain_odd
     accepted = better_held_out & better_in_sample
