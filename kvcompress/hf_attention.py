@@ -32,6 +32,8 @@ logger = hf_logging.get_logger(__name__)
 _NEW_TOKENS_SEE_ALL_CACHED: ContextVar[bool] = ContextVar("kvcompress_new_tokens_see_all_cached", default=False)
 # While a repeat pass records: [layer_idx, lse] of the last chunk attention split at the context's end (or []).
 _CONTEXT_LSE: ContextVar[list | None] = ContextVar("kvcompress_context_lse", default=None)
+# While a press wants the prefill's rows: layer_idx -> (post-RoPE queries, causal log-sum-exp) of its prefill call.
+_PREFILL_ROWS: ContextVar[dict | None] = ContextVar("kvcompress_prefill_rows", default=None)
 
 
 @contextmanager
@@ -93,6 +95,51 @@ def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.T
     lse = torch.stack((lse_context, lse_own)).to(wide)
     out = merge_partial_attentions(lse, torch.stack((out_context, out_own)).to(wide))[1]
     return out.to(query.dtype), lse_context.float()
+
+
+@contextmanager
+def handing_over_prefill_rows() -> Iterator[None]:
+    """Inside (a press whose prior reads every prefill query, ``"induction"``): an unpadded causal prefill call runs
+    an attention that also returns its row log-sum-exp (flash on CUDA, torch's flash kernel on CPU: what sdpa runs
+    there) and hands the call's post-RoPE queries and that log-sum-exp to :func:`take_prefill_rows`, so the prior
+    needs neither a query projection nor an attention pass of its own."""
+    token = _PREFILL_ROWS.set({})
+    try:
+        yield
+    finally:
+        _PREFILL_ROWS.reset(token)
+
+
+def take_prefill_rows(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer ``layer_idx``'s last prefill call's queries ``[b, h_q, n, d]`` and causal log-sum-exp ``[b, h_q, n]``
+    (float32, natural log), if it handed them over (once); else None."""
+    slot = _PREFILL_ROWS.get()
+    return None if slot is None else slot.pop(layer_idx, None)
+
+
+def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling, kwargs, slot: dict):
+    """The causal attention of a prefill call with no cache before it (as many keys as queries, no padding mask, no
+    window), its row log-sum-exp handed over in ``slot``; ``[b, q, h_q, d]``, or None where the stock path runs."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    windowed = kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None
+    if attention_mask is not None or windowed or q_len < 2 or k_len != q_len:
+        return None
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    try:
+        if query.device.type == "cuda":
+            out, lse = _flash_with_lse(query, key, value, True, scaling)
+        elif query.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, True, scale=scaling
+            )
+        else:
+            return None
+    except (RuntimeError, TypeError) as error:  # a flash operator this torch build lacks or refuses
+        logger.warning_once(f"kvcompress: the prefill's attention hands no log-sum-exp over ({error})")
+        return None
+    slot.clear()  # the layer's hook takes its rows right after this call: never hold more than one layer's
+    slot[getattr(module, "layer_idx", None)] = (query, lse.float())
+    return out.transpose(1, 2).contiguous()
 
 
 def _split_wanted(query: torch.Tensor) -> bool:
@@ -157,6 +204,11 @@ def kvcompress_attention(
     """
     layer = layer_of(key)
     if layer is None:
+        prefill_rows = _PREFILL_ROWS.get()
+        if prefill_rows is not None and dropout == 0.0:
+            out = _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling, kwargs, prefill_rows)
+            if out is not None:
+                return out, None
         if _NEW_TOKENS_SEE_ALL_CACHED.get() and dropout == 0.0:
             out = _lower_right_causal_sdpa(module, query, key, value, scaling, kwargs)
             if out is not None:

@@ -11,11 +11,13 @@ rows to keep there, and returns ``(K [b, h_kv, rows, d], V [b, h_kv, rows, d_v],
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcompress.fitting import fit_kept_rows
 from kvcompress.nystrom import compress_kv
-from kvcompress.reference import LayerReference
+from kvcompress.reference import PRIORS, LayerReference
 from kvcompress.selection import normalise, pool_scores, top_rows
 
 
@@ -25,29 +27,35 @@ def mixed_scores(
     end: int,
     weights: dict[str, float],
     pool: dict[str, int],
-    reserved: int = 0,
+    reserved: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Scores of the middle rows ``[start, end)``: ``[b, h_kv, end - start]``. Each query source's attention mass on
     the middle is average-pooled over ``pool[source]`` neighbours (SnapKV pools its window scores, kernel 5),
-    normalised to sum 1 per head and weighted by ``weights[source]`` (default 1). The query-free ``"novelty"``
-    prior does not mix (a flat prior summed with a peaked mass would never outrank it): its ``reserved`` highest
-    rows per head score above every other row, so a top-``rows`` selection keeps them and fills the rest by the
-    query sources. With no query source, the scores are the novelty itself."""
+    normalised to sum 1 per head and weighted by ``weights[source]`` (default 1). The query-free priors
+    (``"novelty"``, then ``"induction"``: :data:`kvcompress.reference.PRIORS`) do not mix (a flat prior summed with
+    a peaked mass would never outrank it): each prior's ``reserved[prior]`` highest rows per head not yet reserved
+    by an earlier prior score above every other row, so a top-``rows`` selection keeps them and fills the rest by
+    the query sources. With no query source, the scores are the first prior's own."""
+    reserved = reserved or {}
     total = None
     for source, mass in reference.mass.items():
-        if source == "novelty":
+        if source in PRIORS:
             continue
         part = normalise(pool_scores(mass[:, :, start:end], pool.get(source, 1))) * weights.get(source, 1.0)
         total = part if total is None else total + part
-    if "novelty" not in reference.mass:
-        return total
-    novelty = reference.mass["novelty"][:, :, start:end]
+    priors = [reference.mass[source][:, :, start:end] for source in PRIORS if source in reference.mass]
     if total is None:
-        return novelty
-    reserved = min(reserved, novelty.shape[-1])
-    if reserved <= 0:
+        total = priors[0]
+    chosen, taken = torch.zeros_like(total, dtype=torch.bool), 0
+    for source in PRIORS:
+        count = min(reserved.get(source, 0), total.shape[-1] - taken)
+        if source not in reference.mass or count <= 0:
+            continue
+        prior = reference.mass[source][:, :, start:end].masked_fill(chosen, -math.inf)
+        chosen.scatter_(-1, top_rows(prior, count), True)
+        taken += count
+    if not taken:
         return total
-    chosen = torch.zeros_like(novelty, dtype=torch.bool).scatter_(-1, top_rows(novelty, reserved), True)
     return torch.where(chosen, total + (1.0 + total.amax(-1, keepdim=True)), total)
 
 

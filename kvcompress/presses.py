@@ -42,7 +42,9 @@ class CompressKVPress(WeightedSubsetPress):
     (:mod:`kvcompress.reference`), each one's attention mass normalised per head and mixed with weight 1
     (``repeat_weight`` for ``"repeat"``); window scores are average-pooled over ``pool_kernel`` keys; the
     query-free ``"novelty"`` prior reserves ``novelty_share`` of the kept middle rows for the keys least like their
-    head's mean, the query sources choose the rest. The default, window + novelty, costs about a SnapKV prefill:
+    head's mean, and the ``"induction"`` prior (prefill queries, no extra forward) ``induction_share`` of them for
+    the keys the token before each one already picks out most sharply (what reading the text again would recall),
+    both before the query sources choose the rest. The default, window + novelty, costs about a SnapKV prefill:
     the window's queries keep what the text right after the context needs, the novelty prior keeps outlying facts
     asked about later.
     ``repeat_fraction`` < 1: the repeat pass re-reads only that fraction of the context, in pieces of
@@ -79,6 +81,7 @@ class CompressKVPress(WeightedSubsetPress):
     query_radius: str = "keys"
     score_pooling: str = "max"
     novelty_share: float = 0.5
+    induction_share: float = 0.25
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,6 +108,12 @@ class CompressKVPress(WeightedSubsetPress):
                 f"repeat_pieces: 'novel' needs 'novelty' and 'repeat' in reference, got reference={self.reference!r}"
             )
         check_number("novelty_share", self.novelty_share, 0, 1)
+        check_number("induction_share", self.induction_share, 0, 1)
+        if {"novelty", "induction"} <= set(self.reference) and self.novelty_share + self.induction_share > 1:
+            raise ValueError(
+                f"induction_share: novelty_share + induction_share must be at most 1 with both priors in reference, "
+                f"got {self.novelty_share} + {self.induction_share}"
+            )
         for name, low in (
             ("observation_window", 1),
             ("pool_kernel", 1),
@@ -206,7 +215,7 @@ class CompressKVPress(WeightedSubsetPress):
             end,
             {"repeat": self.repeat_weight},
             {"window": self.pool_kernel},
-            reserved=round(self.novelty_share * rows),
+            reserved={"novelty": round(self.novelty_share * rows), "induction": round(self.induction_share * rows)},
         )
         if self.selection == "hybrid":
             return compress_hybrid(

@@ -12,6 +12,9 @@ and a few queries for the fit (:mod:`kvcompress.fitting`):
 * ``"novelty"``: no queries: each key's distance from its head's mean key (KeyDiff, Park et al., arXiv
   2504.15364; :func:`kvcompress.selection.key_novelty`), a query-free prior that keeps outlying facts. It gives the
   fit no queries, so it is used beside a query source.
+* ``"induction"``: no fit queries either: how sharply the prefill's query of the token before each key already
+  picks that key out of the context before it (:func:`kvcompress.selection.induction_score`), what an induction
+  head does when the text is read again: the repeat pass's signal, from the prefill's own queries.
 * ``"repeat"``: a second pass over the context's own tokens right after it, in chunks, each chunk cropped
   away again. Reading the text again, the model's queries look back at the rows it needs to reproduce it
   (the reconstruction idea of KVzip, Kim et al., arXiv 2505.23416, without its prompt, so no tokenizer is
@@ -26,11 +29,12 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvcompress.hf_attention import new_tokens_see_all_cached, take_context_lse
-from kvcompress.selection import attention_mass, key_novelty
+from kvcompress.hf_attention import new_tokens_see_all_cached, take_context_lse, take_prefill_rows
+from kvcompress.selection import attention_mass, induction_score, key_novelty
 
-SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty")
-QUERY_SOURCES = tuple(source for source in SOURCES if source != "novelty")
+SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty", "induction")
+PRIORS = ("novelty", "induction")  # scores without fit queries: a share of the rows each (methods.mixed_scores)
+QUERY_SOURCES = tuple(source for source in SOURCES if source not in PRIORS)
 
 
 def post_rope_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
@@ -102,8 +106,14 @@ def record_prefill(
         queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
         mass = attention_mass(queries, keys, module.scaling, query_positions=index, reduce=reduce)
         reference.add(source, mass, queries, index)
-    if "context" in sources or "accumulated" in sources:  # all n prefill queries, one fused pass each
-        queries = post_rope_queries(module, hidden, (cos, sin))
+    handed = take_prefill_rows(module.layer_idx) if "induction" in sources else None
+    if handed is not None and handed[0].shape[-2] != n:  # a chunked prefill's last call: not the whole context
+        handed = None
+    if {"context", "accumulated", "induction"} & set(sources):  # all n prefill queries
+        queries = post_rope_queries(module, hidden, (cos, sin)) if handed is None else handed[0]
+        if "induction" in sources:
+            lse = None if handed is None else handed[1]
+            reference.mass["induction"] = induction_score(queries, keys, module.scaling, row_lse=lse)
         fit = even_sample(n, samples, keys.device)
         everything = torch.full((len(fit),), n - 1, dtype=torch.long, device=keys.device)
         if "context" in sources:

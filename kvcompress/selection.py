@@ -142,6 +142,54 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
     return 1.0 - (F.normalize(keys, dim=-1) * anchor).sum(-1)
 
 
+def causal_row_lse(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Each context query's causal softmax normaliser: ``log sum_{i <= j} exp(scaling <q_j, k_i>)`` for queries
+    ``[b, h_q, n, d]`` and keys ``[b, h_kv, n, d]`` (GQA) -> ``[b, h_q, n]`` float32, over query chunks of at most
+    ``_CHUNK_ELEMENTS`` logits (``_DEVICE_CHUNK_ELEMENTS`` off the CPU)."""
+    batch, heads_q, n, dim = queries.shape
+    heads_kv = keys.shape[1]
+    group = heads_q // heads_kv
+    grouped = queries.reshape(batch, heads_kv, group, n, dim)
+    keys = keys.float()
+    lse = torch.empty(batch, heads_kv, group, n, dtype=torch.float32, device=keys.device)
+    elements = _CHUNK_ELEMENTS if keys.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+    step = max(1, elements // max(1, batch * heads_q * n))
+    key_index = torch.arange(n, device=keys.device)
+    for start in range(0, n, step):
+        end = min(n, start + step)  # the chunk's queries see keys < end only
+        logits = torch.einsum("bhgmd,bhnd->bhgmn", grouped[:, :, :, start:end].float() * scaling, keys[:, :, :end])
+        logits.masked_fill_(key_index[:end] > key_index[start:end, None], -math.inf)
+        lse[..., start:end] = logits.logsumexp(-1)
+        del logits
+    return lse.reshape(batch, heads_q, n)
+
+
+def induction_score(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, row_lse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """How sharply the query of the token before each key already picks that key out of the context before it:
+    what an induction head does when the context is read again (the token ``j - 1`` recalls key ``j``), the
+    signal the repeat pass measures, from the prefill's own queries and no extra forward.
+
+    ``p_j = exp(s_j) / (exp(s_j) + sum_{i <= j-1} exp(s_i))`` with ``s_i = scaling <q_{j-1}, k_i>``; the score is
+    ``p_j`` against the uniform share ``1 / j`` of the ``j`` keys the query then sees (raw ``p_j`` favours the
+    first keys, whose queries see few others), ``sigmoid(log(j p_j))``, max-pooled over the KV head's query group;
+    key 0 scores 0. queries ``[b, h_q, n, d]`` (post-RoPE, the context's own), keys ``[b, h_kv, n, d]``;
+    ``row_lse``: optional ``[b, h_q, n]`` causal normalisers of those queries (natural log) as the prefill's
+    attention computed them, else :func:`causal_row_lse`. Returns ``[b, h_kv, n]`` float32 in [0, 1)."""
+    batch, heads_q, n, dim = queries.shape
+    heads_kv = keys.shape[1]
+    group = heads_q // heads_kv
+    if row_lse is None:
+        row_lse = causal_row_lse(queries, keys, scaling)
+    previous = queries[:, :, :-1].float().reshape(batch, heads_kv, group, n - 1, dim)
+    recalled = scaling * (previous * keys[:, :, 1:, None].float().transpose(2, 3)).sum(-1)  # s_j, j = 1..n-1
+    before = row_lse[:, :, :-1].float().reshape(batch, heads_kv, group, n - 1)
+    count = torch.arange(1, n, device=keys.device, dtype=torch.float32)
+    score = torch.sigmoid(count.log() + recalled - torch.logaddexp(recalled, before)).amax(2)
+    return F.pad(score, (1, 0))
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Average-pool ``[..., n]`` scores over neighbouring keys (SnapKV's smoothing); odd ``kernel_size``."""
     if kernel_size <= 1:

@@ -26,7 +26,7 @@ rows (see :mod:`kvcompress.padding`).
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
-from kvcompress.hf_attention import use_weighted_attention
+from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
 from kvcompress.reference import LayerReference
 from kvcompress.repeat_hooks import RepeatPassHooks
@@ -209,8 +209,10 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
                     streamed = self._repeat_streamed
                     hooks += [layer.register_forward_hook(streamed, with_kwargs=True) for layer in decoder.layers]
                 hooks.append(decoder.register_forward_hook(self._finish_prefill, with_kwargs=True))
+                wants_rows = "induction" in self.reference_sources()
                 try:
-                    yield
+                    with handing_over_prefill_rows() if wants_rows else nullcontext():
+                        yield
                 finally:
                     for hook in hooks:
                         hook.remove()

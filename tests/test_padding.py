@@ -26,6 +26,7 @@ PRESSES = {
         repeat_span=16,
         repeat_pieces="novel",
     ),
+    "induction": lambda: CompressKVPress(compression_ratio=0.75, reference=("window", "novelty", "induction")),
     "paper": lambda: CompressKVPress.paper(0.75, seed=0),
     "uniform": lambda: UniformPress(compression_ratio=0.75, seed=0),
     "uniform-weighted": lambda: UniformPress(compression_ratio=0.75, weighted=True, seed=0),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from kvcompress import CompressKVPress, fit_equations, reference
 from kvcompress.reference import novel_pieces, post_rope_queries, spread_pieces
@@ -220,6 +221,38 @@ def test_key_novelty_against_its_float64_definition_and_the_outlier_it_keeps():
     assert (key_novelty(outlier).argmax(-1) == 17).all()
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (7, 1)])
+def test_induction_score_against_its_float64_definition(heads, kv_heads):
+    """One float64 loop over keys: p_j = softmax over keys 0..j of the query at j - 1, at key j; score
+    sigmoid(log(j p_j)) max-pooled over the group; key 0 scores 0. float32 logits of 24-term dots and a
+    log-sum-exp over up to 70 terms: a few float32 ulps of O(10) logits inside a sigmoid (slope <= 1/4)."""
+    from kvcompress.selection import causal_row_lse, induction_score
+
+    generator = torch.Generator().manual_seed(heads)
+    queries = torch.randn(2, heads, 70, 24, generator=generator) * 1.5
+    keys = torch.randn(2, kv_heads, 70, 24, generator=generator)
+    got = induction_score(queries, keys, 0.3)
+    q, k = queries.double(), keys.double().repeat_interleave(heads // kv_heads, 1)
+    want = torch.zeros(2, heads, 70, dtype=torch.float64)
+    for j in range(1, 70):
+        logits = 0.3 * (q[:, :, j - 1, None] * k[:, :, : j + 1]).sum(-1)  # [b, h, j + 1]: keys 0..j
+        p = logits.softmax(-1)[..., j]
+        want[:, :, j] = torch.sigmoid(torch.log(j * p))
+    want = want.reshape(2, kv_heads, heads // kv_heads, 70).amax(2)
+    assert got.dtype == torch.float32 and tuple(got.shape) == (2, kv_heads, 70)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+    lse = causal_row_lse(queries, keys, 0.3)
+    mask = torch.ones(70, 70, dtype=torch.bool).tril()
+    want_lse = (0.3 * q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-5)
+    # A key that one query of its group, the one before it, recalls far more sharply than any other (p_40 near 1)
+    # scores near the top of the scale, 40 / 41 (a prior ranks keys; the scale saturates for sharp recalls).
+    sharp = keys.clone()
+    leader = queries[:, :: heads // kv_heads, 39]
+    sharp[:, :, 40] = 6.0 * leader / leader.norm(dim=-1, keepdim=True)
+    assert (induction_score(queries, sharp, 0.3)[..., 40] > 0.97).all() and (got[..., 40] < 0.97).any()
+
+
 def test_novelty_source_mixes_beside_a_query_source_and_needs_one_to_fit():
     model = tiny_model("llama", num_hidden_layers=2)
     context = tokens(CONTEXT, 5)
@@ -236,6 +269,48 @@ def test_novelty_source_mixes_beside_a_query_source_and_needs_one_to_fit():
         CompressKVPress(reference=("novelty",))
 
 
+def test_induction_prior_takes_its_share_beside_novelty_and_the_window():
+    model = tiny_model("llama", num_hidden_layers=2)
+    context = tokens(CONTEXT, 6)
+    both = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty", "induction"))
+    cache = compressed_cache(model, both, context)
+    assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
+    default = compressed_cache(model, CompressKVPress(compression_ratio=0.75), context)
+    assert not torch.equal(cache.layers[1].keys, default.layers[1].keys)  # the prior changed which rows stay
+    unused = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty", "induction"), induction_share=0)
+    same = compressed_cache(model, unused, context)  # a share of 0: the default's rows, weights and values
+    for mine, theirs in zip(same.layers, default.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_induction_prior_reads_the_prefill_attentions_own_rows(family, monkeypatch):
+    """An unpadded prefill under the press hands each layer's queries and causal log-sum-exp over from its own
+    attention call (no second pass): the scores equal those computed from scratch (float32 log-sum-exps of two
+    kernels: a few ulps inside a sigmoid), and the prefill's outputs equal a default-press prefill's."""
+    from kvcompress import selection
+
+    model = tiny_model(family, num_hidden_layers=2)
+    context = tokens(CONTEXT, 8)
+    calls = []
+    original = selection.induction_score
+
+    def spy(queries, keys, scaling, row_lse=None):
+        got = original(queries, keys, scaling, row_lse)
+        calls.append((row_lse is not None, (got - original(queries, keys, scaling)).abs().max().item()))
+        return got
+
+    monkeypatch.setattr(reference, "induction_score", spy)
+    press = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty", "induction"))
+    outputs = {}
+    for name, chosen in (("induction", press), ("default", CompressKVPress(compression_ratio=0.75))):
+        with torch.no_grad(), chosen(model):
+            outputs[name] = model(input_ids=context, past_key_values=DynamicCache()).logits
+    assert [handed for handed, _ in calls] == [True, True]  # both layers, from the attention call
+    assert max(difference for _, difference in calls) <= 1e-5
+    torch.testing.assert_close(outputs["induction"], outputs["default"], rtol=0, atol=1e-5)
+
+
 def test_novelty_reserves_its_share_of_the_rows_and_the_query_mass_chooses_the_rest():
     from kvcompress.methods import mixed_scores
     from kvcompress.reference import LayerReference
@@ -246,13 +321,43 @@ def test_novelty_reserves_its_share_of_the_rows_and_the_query_mass_chooses_the_r
     window = torch.rand(1, 2, n, generator=generator)
     novelty = torch.rand(1, 2, n, generator=generator) * 1e-3  # far smaller scale: a sum would ignore it
     ref = LayerReference(mass={"window": window, "novelty": novelty})
-    kept = top_rows(mixed_scores(ref, 0, n, {}, {}, reserved=reserved), rows)
+    kept = top_rows(mixed_scores(ref, 0, n, {}, {}, reserved={"novelty": reserved}), rows)
     for head in range(2):
         first = novelty[0, head].topk(reserved).indices.tolist()
         rest = window[0, head].clone()
         rest[first] = -1
         want = set(first) | set(rest.topk(rows - reserved).indices.tolist())
         assert set(kept[0, head].tolist()) == want
-    assert torch.equal(top_rows(mixed_scores(ref, 0, n, {}, {}, reserved=0), rows), top_rows(window, rows))
+    assert torch.equal(top_rows(mixed_scores(ref, 0, n, {}, {}, reserved={}), rows), top_rows(window, rows))
     with pytest.raises(ValueError, match="novelty_share"):
         CompressKVPress(novelty_share=1.5)
+
+
+def test_priors_reserve_their_rows_in_turn_then_the_query_mass_chooses_the_rest():
+    """Novelty's top rows first, then induction's top among the rows left, then the window's: each prior's count
+    exactly, even where the two priors agree on their best rows."""
+    from kvcompress.methods import mixed_scores
+    from kvcompress.reference import LayerReference
+    from kvcompress.selection import top_rows
+
+    generator = torch.Generator().manual_seed(12)
+    n, rows, by_novelty, by_induction = 50, 20, 6, 5
+    window = torch.rand(1, 3, n, generator=generator)
+    novelty = torch.rand(1, 3, n, generator=generator) * 1e-3
+    induction = novelty * 0.5 + torch.rand(1, 3, n, generator=generator) * 1e-4  # mostly novelty's own order
+    ref = LayerReference(mass={"window": window, "novelty": novelty, "induction": induction})
+    reserved = {"novelty": by_novelty, "induction": by_induction}
+    kept = top_rows(mixed_scores(ref, 0, n, {}, {}, reserved=reserved), rows)
+    for head in range(3):
+        first = novelty[0, head].topk(by_novelty).indices.tolist()
+        second = induction[0, head].clone()
+        second[first] = -1
+        second = second.topk(by_induction).indices.tolist()
+        rest = window[0, head].clone()
+        rest[first + second] = -1
+        want = set(first) | set(second) | set(rest.topk(rows - by_novelty - by_induction).indices.tolist())
+        assert len(want) == rows and set(kept[0, head].tolist()) == want
+    with pytest.raises(ValueError, match="induction_share"):
+        CompressKVPress(reference=("window", "novelty", "induction"), novelty_share=0.8, induction_share=0.3)
+    with pytest.raises(ValueError, match="induction_share"):
+        CompressKVPress(induction_share=-0.1)
