@@ -182,12 +182,19 @@ def induction_score(
     group = heads_q // heads_kv
     if row_lse is None:
         row_lse = causal_row_lse(queries, keys, scaling)
-    previous = queries[:, :, :-1].float().reshape(batch, heads_kv, group, n - 1, dim)
-    recalled = scaling * (previous * keys[:, :, 1:, None].float().transpose(2, 3)).sum(-1)  # s_j, j = 1..n-1
-    before = row_lse[:, :, :-1].float().reshape(batch, heads_kv, group, n - 1)
-    count = torch.arange(1, n, device=keys.device, dtype=torch.float32)
-    score = torch.sigmoid(count.log() + recalled - torch.logaddexp(recalled, before)).amax(2)
-    return F.pad(score, (1, 0))
+    grouped = queries.reshape(batch, heads_kv, group, n, dim)
+    lse = row_lse.reshape(batch, heads_kv, group, n)
+    score = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)  # key 0: 0
+    elements = _CHUNK_ELEMENTS if keys.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+    step = max(1, elements // max(1, batch * heads_q * dim))  # float32 copies of a chunk of queries at a time
+    for first in range(1, n, step):
+        last = min(n, first + step)  # keys first..last-1, recalled by the queries before them
+        previous = grouped[:, :, :, first - 1 : last - 1].float()
+        recalled = scaling * torch.einsum("bhgjd,bhjd->bhgj", previous, keys[:, :, first:last].float())
+        before = lse[:, :, :, first - 1 : last - 1].float()
+        count = torch.arange(first, last, device=keys.device, dtype=torch.float32)
+        score[:, :, first:last] = torch.sigmoid(count.log() + recalled - torch.logaddexp(recalled, before)).amax(2)
+    return score
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:

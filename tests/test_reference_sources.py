@@ -221,12 +221,18 @@ def test_key_novelty_against_its_float64_definition_and_the_outlier_it_keeps():
     assert (key_novelty(outlier).argmax(-1) == 17).all()
 
 
+@pytest.mark.parametrize("chunk_elements", [None, 300])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (7, 1)])
-def test_induction_score_against_its_float64_definition(heads, kv_heads):
+def test_induction_score_against_its_float64_definition(heads, kv_heads, chunk_elements, monkeypatch):
     """One float64 loop over keys: p_j = softmax over keys 0..j of the query at j - 1, at key j; score
     sigmoid(log(j p_j)) max-pooled over the group; key 0 scores 0. float32 logits of 24-term dots and a
-    log-sum-exp over up to 70 terms: a few float32 ulps of O(10) logits inside a sigmoid (slope <= 1/4)."""
+    log-sum-exp over up to 70 terms: a few float32 ulps of O(10) logits inside a sigmoid (slope <= 1/4).
+    ``chunk_elements``: chunks of a few positions (and queries) at a time, the same result."""
+    from kvcompress import selection
     from kvcompress.selection import causal_row_lse, induction_score
+
+    if chunk_elements is not None:
+        monkeypatch.setattr(selection, "_CHUNK_ELEMENTS", chunk_elements)
 
     generator = torch.Generator().manual_seed(heads)
     queries = torch.randn(2, heads, 70, 24, generator=generator) * 1.5
