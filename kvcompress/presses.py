@@ -44,9 +44,9 @@ class CompressKVPress(WeightedSubsetPress):
     query-free ``"novelty"`` prior reserves ``novelty_share`` of the kept middle rows for the keys least like their
     head's mean, and the ``"induction"`` prior (prefill queries, no extra forward) ``induction_share`` of them for
     the keys the token before each one already picks out most sharply (what reading the text again would recall),
-    both before the query sources choose the rest. The default, window + novelty, costs about a SnapKV prefill:
-    the window's queries keep what the text right after the context needs, the novelty prior keeps outlying facts
-    asked about later.
+    both before the query sources choose the rest. The default, window + novelty + induction, costs about a SnapKV
+    prefill: the window's queries keep what the text right after the context needs, the two priors keep the facts
+    asked about later (the outlying keys, and the keys the text itself would recall).
     ``repeat_fraction`` < 1: the repeat pass re-reads only that fraction of the context, in pieces of
     ``repeat_span`` tokens (cost in proportion): ``repeat_pieces="spread"`` spreads them evenly, ``"novel"`` takes
     the pieces with the most novel keys (needs ``"novelty"`` in ``reference``), so the second reading goes over
@@ -64,7 +64,7 @@ class CompressKVPress(WeightedSubsetPress):
     sink_size: int = 4
     window_size: int = 64
     selection: str = "attention"
-    reference: tuple[str, ...] = ("window", "novelty")
+    reference: tuple[str, ...] = ("window", "novelty", "induction")
     repeat_weight: float = 2.0
     observation_window: int = 64
     pool_kernel: int = 5
@@ -109,11 +109,6 @@ class CompressKVPress(WeightedSubsetPress):
             )
         check_number("novelty_share", self.novelty_share, 0, 1)
         check_number("induction_share", self.induction_share, 0, 1)
-        if {"novelty", "induction"} <= set(self.reference) and self.novelty_share + self.induction_share > 1:
-            raise ValueError(
-                f"induction_share: novelty_share + induction_share must be at most 1 with both priors in reference, "
-                f"got {self.novelty_share} + {self.induction_share}"
-            )
         for name, low in (
             ("observation_window", 1),
             ("pool_kernel", 1),
@@ -161,7 +156,8 @@ class CompressKVPress(WeightedSubsetPress):
 
     @classmethod
     def balanced(cls, compression_ratio: float = 0.0, seed: int | None = None, **overrides: Any) -> CompressKVPress:
-        """Between the default and ``thorough()``: the default's window and novelty prior, plus a repeat pass over
+        """Between the default and ``thorough()``: the window and novelty prior (the default's, without its induction
+        prior, which it was not measured with), plus a repeat pass over
         the quarter of the context whose keys are most novel, in pieces of 32 tokens (``repeat_pieces="novel"``),
         max-pooled as ``thorough()``'s. The second reading goes over the outlying facts, and its queries find their
         rows. About a quarter of ``thorough()``'s extra forward; the fit on the 64 window queries and 64 of the
@@ -198,6 +194,12 @@ class CompressKVPress(WeightedSubsetPress):
             module, kwargs, keys, self.reference, self.observation_window, self.fit_queries, self.score_pooling
         )
 
+    def _reserved_rows(self, rows: int) -> dict[str, int]:
+        """Middle rows each prior reserves: ``novelty_share`` of them for novelty, then ``induction_share`` of them
+        for induction, at most what novelty leaves (``novelty_share=1.0`` leaves none)."""
+        novelty = round(self.novelty_share * rows) if "novelty" in self.reference else 0
+        return {"novelty": novelty, "induction": min(round(self.induction_share * rows), rows - novelty)}
+
     def compress_middle(self, module, keys, values, start, end, rows, reference):
         if self.selection == "rpnys":
             return compress_by_rpnys(
@@ -215,7 +217,7 @@ class CompressKVPress(WeightedSubsetPress):
             end,
             {"repeat": self.repeat_weight},
             {"window": self.pool_kernel},
-            reserved={"novelty": round(self.novelty_share * rows), "induction": round(self.induction_share * rows)},
+            reserved=self._reserved_rows(rows),
         )
         if self.selection == "hybrid":
             return compress_hybrid(

@@ -278,14 +278,15 @@ def test_novelty_source_mixes_beside_a_query_source_and_needs_one_to_fit():
 def test_induction_prior_takes_its_share_beside_novelty_and_the_window():
     model = tiny_model("llama", num_hidden_layers=2)
     context = tokens(CONTEXT, 6)
-    both = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty", "induction"))
+    both = CompressKVPress(compression_ratio=0.75)  # the default: window, novelty and induction
+    assert both.reference == ("window", "novelty", "induction")
     cache = compressed_cache(model, both, context)
     assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
-    default = compressed_cache(model, CompressKVPress(compression_ratio=0.75), context)
-    assert not torch.equal(cache.layers[1].keys, default.layers[1].keys)  # the prior changed which rows stay
-    unused = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty", "induction"), induction_share=0)
-    same = compressed_cache(model, unused, context)  # a share of 0: the default's rows, weights and values
-    for mine, theirs in zip(same.layers, default.layers, strict=True):
+    novelty = compressed_cache(model, CompressKVPress(compression_ratio=0.75, reference=("window", "novelty")), context)
+    assert not torch.equal(cache.layers[1].keys, novelty.layers[1].keys)  # the prior changed which rows stay
+    unused = CompressKVPress(compression_ratio=0.75, induction_share=0)
+    same = compressed_cache(model, unused, context)  # a share of 0: window + novelty's rows, weights and values
+    for mine, theirs in zip(same.layers, novelty.layers, strict=True):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
@@ -293,7 +294,7 @@ def test_induction_prior_takes_its_share_beside_novelty_and_the_window():
 def test_induction_prior_reads_the_prefill_attentions_own_rows(family, monkeypatch):
     """An unpadded prefill under the press hands each layer's queries and causal log-sum-exp over from its own
     attention call (no second pass): the scores equal those computed from scratch (float32 log-sum-exps of two
-    kernels: a few ulps inside a sigmoid), and the prefill's outputs equal a default-press prefill's."""
+    kernels: a few ulps inside a sigmoid), and the prefill's outputs equal those of a press without the prior."""
     from kvcompress import selection
 
     model = tiny_model(family, num_hidden_layers=2)
@@ -307,9 +308,10 @@ def test_induction_prior_reads_the_prefill_attentions_own_rows(family, monkeypat
         return got
 
     monkeypatch.setattr(reference, "induction_score", spy)
-    press = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty", "induction"))
+    press = CompressKVPress(compression_ratio=0.75)
+    without = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty"))
     outputs = {}
-    for name, chosen in (("induction", press), ("default", CompressKVPress(compression_ratio=0.75))):
+    for name, chosen in (("induction", press), ("default", without)):
         with torch.no_grad(), chosen(model):
             outputs[name] = model(input_ids=context, past_key_values=DynamicCache()).logits
     assert [handed for handed, _ in calls] == [True, True]  # both layers, from the attention call
@@ -363,7 +365,11 @@ def test_priors_reserve_their_rows_in_turn_then_the_query_mass_chooses_the_rest(
         rest[first + second] = -1
         want = set(first) | set(second) | set(rest.topk(rows - by_novelty - by_induction).indices.tolist())
         assert len(want) == rows and set(kept[0, head].tolist()) == want
-    with pytest.raises(ValueError, match="induction_share"):
-        CompressKVPress(reference=("window", "novelty", "induction"), novelty_share=0.8, induction_share=0.3)
+    # Induction takes its share of what novelty leaves; without novelty in reference, its share of all the rows.
+    crowded = CompressKVPress(novelty_share=0.8, induction_share=0.3)
+    assert crowded._reserved_rows(100) == {"novelty": 80, "induction": 20}
+    assert CompressKVPress(novelty_share=1.0)._reserved_rows(40) == {"novelty": 40, "induction": 0}
+    alone = CompressKVPress(reference=("window", "induction"), induction_share=0.3)
+    assert alone._reserved_rows(100) == {"novelty": 0, "induction": 30}
     with pytest.raises(ValueError, match="induction_share"):
         CompressKVPress(induction_share=-0.1)

@@ -26,16 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", help="the name clients send as 'model' (default: --model's directory or Hub name)"
     )
     p.add_argument("--method", default="compresskv",
-                   help="a press of the method registry, or exact (default compresskv: 1.1-1.2x a plain prefill "
-                        "(CPU, and an H200 at 32k tokens); for contexts stored and asked many questions, "
+                   help="a press of the method registry, or exact (default compresskv: about 1.3x a plain prefill "
+                        "on CPU, no extra pass over the model; for contexts stored and asked many questions, "
                         "compresskv_balanced re-reads the most novel quarter of each (1.8x the prefill on CPU, 2.2x "
-                        "on an H200) and keeps most of the facts, not the continuation: the best answers within "
-                        "2.2x; compresskv_thorough re-reads all of it (4.2x on CPU, 5.3x on an H200) and keeps the "
+                        "on an H200), about as many answers as the default on the embedded model; "
+                        "compresskv_thorough re-reads all of it (4.2x on CPU, 5.3x on an H200) and keeps the "
                         "most of what later questions and continuations need: choose it when answers matter more "
-                        "than the prefill; "
-                        "with compresskv, "
-                        "--press-option novelty_share=0.75 "
-                        "answers more questions and keeps less of the continuation)")
+                        "than the prefill)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
                    help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")
