@@ -49,7 +49,7 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "window_nofit": dict(reference=("window",), fit="none"),
     "context": dict(reference=("window", "context")),
     "accumulated": dict(reference=("window", "accumulated")),
-    "induction": dict(reference=("window", "novelty", "induction")),  # the induction prior beside the default's
+    "window_novelty": dict(reference=("window", "novelty")),  # the default before its induction prior (2026-11-26)
     "repeat_quarter": dict(reference=("window", "repeat"), repeat_fraction=0.25),
 }
 TORCH_MASS_MAX = 8192 * 8192  # the chunked torch path is timed on CUDA up to this many query-key pairs (~1 s)
