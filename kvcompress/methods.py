@@ -43,9 +43,8 @@ def mixed_scores(
             continue
         part = normalise(pool_scores(mass[:, :, start:end], pool.get(source, 1))) * weights.get(source, 1.0)
         total = part if total is None else total + part
-    priors = [reference.mass[source][:, :, start:end] for source in PRIORS if source in reference.mass]
     if total is None:
-        total = priors[0]
+        total = next(reference.mass[source][:, :, start:end] for source in PRIORS if source in reference.mass)
     chosen, taken = torch.zeros_like(total, dtype=torch.bool), 0
     for source in PRIORS:
         count = min(reserved.get(source, 0), total.shape[-1] - taken)
