@@ -244,7 +244,8 @@ def _fit(
     fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
     candidates = [(ones, unfitted), (held_w, held_v), (fit_w, fit_v)]
     stacked = _QuerySet.stack(candidates)
-    (plain_even, _, fit_even), (plain_odd, held_odd, fit_odd) = (check.errors(stacked, 3) for check in checks)
+    count = len(candidates)
+    (plain_even, _, fit_even), (plain_odd, held_odd, fit_odd) = (check.errors(stacked, count) for check in checks)
     better_held_out = held_odd < plain_odd
     better_in_sample = fit_even + fit_odd < plain_even + plain_odd
     accepted = better_held_out & better_in_sample

@@ -117,12 +117,16 @@ def take_prefill_rows(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | Non
     return None if slot is None else slot.pop(layer_idx, None)
 
 
+def _windowed(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether this attention call is a sliding-window layer's (the stock path then runs, under its window)."""
+    return kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None
+
+
 def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling, kwargs, slot: dict):
     """The causal attention of a prefill call with no cache before it (as many keys as queries, no padding mask, no
     window), its row log-sum-exp handed over in ``slot``; ``[b, q, h_q, d]``, or None where the stock path runs."""
     q_len, k_len = query.shape[-2], key.shape[-2]
-    windowed = kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None
-    if attention_mask is not None or windowed or q_len < 2 or k_len != q_len:
+    if attention_mask is not None or _windowed(module, kwargs) or q_len < 2 or k_len != q_len:
         return None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     try:
@@ -161,8 +165,7 @@ def _lower_right_causal_sdpa(
     token, or a CUDA call the flash kernel does not take (torch's lower-right fallbacks would copy or
     materialise what the stock path already does)."""
     q_len, k_len = query.shape[-2], key.shape[-2]
-    windowed = kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None
-    if windowed or q_len < 2 or k_len <= q_len or query.device.type not in ("cpu", "cuda"):
+    if _windowed(module, kwargs) or q_len < 2 or k_len <= q_len or query.device.type not in ("cpu", "cuda"):
         return None
     grouped = query.shape[1] != key.shape[1]
     if query.device.type == "cuda":

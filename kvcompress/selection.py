@@ -21,6 +21,11 @@ _DEVICE_CHUNK_ELEMENTS = 1 << 26
 REDUCTIONS = ("sum", "max")
 
 
+def _chunk_elements(device: torch.device) -> int:
+    """Elements a chunked PyTorch path holds at once on ``device`` (the comment above says why they differ)."""
+    return _CHUNK_ELEMENTS if device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+
+
 def attention_mass(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -100,7 +105,7 @@ def attention_mass_torch(
     keys = keys.float()
     hidden = None if key_mask is None else ~key_mask.to(keys.device)[:, None, None, None, :]
     total = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)
-    elements = _CHUNK_ELEMENTS if keys.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+    elements = _chunk_elements(keys.device)
     step = max(1, elements // max(1, batch * heads_q * n))
     key_index = torch.arange(n, device=keys.device)
     for start in range(0, m, step):
@@ -152,7 +157,7 @@ def causal_row_lse(queries: torch.Tensor, keys: torch.Tensor, scaling: float) ->
     grouped = queries.reshape(batch, heads_kv, group, n, dim)
     keys = keys.float()
     lse = torch.empty(batch, heads_kv, group, n, dtype=torch.float32, device=keys.device)
-    elements = _CHUNK_ELEMENTS if keys.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+    elements = _chunk_elements(keys.device)
     step = max(1, elements // max(1, batch * heads_q * n))
     key_index = torch.arange(n, device=keys.device)
     for start in range(0, n, step):
@@ -185,7 +190,7 @@ def induction_score(
     grouped = queries.reshape(batch, heads_kv, group, n, dim)
     lse = row_lse.reshape(batch, heads_kv, group, n)
     score = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)  # key 0: 0
-    elements = _CHUNK_ELEMENTS if keys.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+    elements = _chunk_elements(keys.device)
     step = max(1, elements // max(1, batch * heads_q * dim))  # float32 copies of a chunk of queries at a time
     for first in range(1, n, step):
         last = min(n, first + step)  # keys first..last-1, recalled by the queries before them
