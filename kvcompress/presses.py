@@ -156,18 +156,18 @@ class CompressKVPress(WeightedSubsetPress):
 
     @classmethod
     def balanced(cls, compression_ratio: float = 0.0, seed: int | None = None, **overrides: Any) -> CompressKVPress:
-        """Between the default and ``thorough()``: the window and novelty prior (the default's, without its induction
-        prior, which it was not measured with), plus a repeat pass over
-        the quarter of the context whose keys are most novel, in pieces of 32 tokens (``repeat_pieces="novel"``),
-        max-pooled as ``thorough()``'s. The second reading goes over the outlying facts, and its queries find their
-        rows. About a quarter of ``thorough()``'s extra forward; the fit on the 64 window queries and 64 of the
-        repeat pass's (``fit_queries=64``: 2.2x the no-press prefill on an H200 at 32k tokens, 2.3x with 256). Its
-        pieces are chosen from every layer's novelty, so the pass runs after the prefill, layer by layer; on CUDA
-        each layer's full cache waits in pinned host memory until its turn (host memory of the full cache's size, up
-        to twice that: :mod:`kvcompress.offload`), elsewhere every layer holds its full cache until its turn."""
+        """Between the default and ``thorough()``: the default's window, novelty and induction priors, plus a repeat
+        pass over the quarter of the context whose keys are most novel, in pieces of 32 tokens
+        (``repeat_pieces="novel"``), max-pooled as ``thorough()``'s: the priors reserve their shares of the middle
+        rows, the window's and the second reading's queries choose the rest. About a quarter of ``thorough()``'s
+        extra forward; the fit on the 64 window queries and 64 of the repeat pass's (``fit_queries=64``: 2.2x the
+        no-press prefill on an H200 at 32k tokens before the induction prior, 2.3x with 256). Its pieces are chosen
+        from every layer's novelty, so the pass runs after the prefill, layer by layer; on CUDA each layer's full
+        cache waits in pinned host memory until its turn (host memory of the full cache's size, up to twice that:
+        :mod:`kvcompress.offload`), elsewhere every layer holds its full cache until its turn."""
         settings = dict(
-            reference=("window", "novelty", "repeat"), repeat_fraction=0.25, repeat_span=32, repeat_pieces="novel",
-            fit_queries=64,
+            reference=("window", "novelty", "induction", "repeat"), repeat_fraction=0.25, repeat_span=32,
+            repeat_pieces="novel", fit_queries=64,
         )  # fmt: skip
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 

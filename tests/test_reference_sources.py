@@ -187,7 +187,7 @@ def test_balanced_setting_and_registry_row():
     from kvcompress import registry
 
     press = CompressKVPress.balanced(0.75, seed=3, repeat_span=16)  # overrides replace single fields
-    assert press.reference == ("window", "novelty", "repeat") and press.repeat_pieces == "novel"
+    assert press.reference == ("window", "novelty", "induction", "repeat") and press.repeat_pieces == "novel"
     assert press.repeat_fraction == 0.25 and press.repeat_span == 16 and press.score_pooling == "max"
     assert press.compression_ratio == 0.75 and press.seed == 3 and press.fit == "values"
     assert press.fit_queries == 64  # 64 window + 64 repeat queries: the fit's share of a GPU prefill (BENCHMARKS)
@@ -317,6 +317,23 @@ def test_induction_prior_reads_the_prefill_attentions_own_rows(family, monkeypat
     assert [handed for handed, _ in calls] == [True, True]  # both layers, from the attention call
     assert max(difference for _, difference in calls) <= 1e-5
     torch.testing.assert_close(outputs["induction"], outputs["default"], rtol=0, atol=1e-5)
+
+
+def test_balanced_reads_the_induction_prior_from_the_prefill_before_its_repeat_pass(monkeypatch):
+    """balanced(): every layer's prior comes from its own prefill call (the repeat pass after the prefill hands
+    nothing over and computes no prior), and the cache shrinks to the kept rows."""
+    calls = []
+    original = reference.induction_score
+
+    def spy(queries, keys, scaling, row_lse=None):
+        calls.append(row_lse is not None)
+        return original(queries, keys, scaling, row_lse)
+
+    monkeypatch.setattr(reference, "induction_score", spy)
+    model = tiny_model("llama", num_hidden_layers=2)
+    cache = compressed_cache(model, CompressKVPress.balanced(0.75, repeat_chunk=32), tokens(CONTEXT, 9))
+    assert calls == [True, True]
+    assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
 
 
 def test_novelty_reserves_its_share_of_the_rows_and_the_query_mass_chooses_the_rest():
