@@ -35,7 +35,7 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
     for name in ("none", "snapkv"):  # nothing of ours runs: all in the forward
         assert by_name[name]["mass_s"] == by_name[name]["fit_s"] == by_name[name]["selection_s"] == 0
     assert by_name["paper"]["selection_s"] > 0 and by_name["paper"]["mass_s"] == 0  # RPNys, no reference queries
-    for name in ("thorough", "balanced", "window_repeat_sum", "repeat_quarter"):
+    for name in ("thorough", "balanced", "balanced_window_novelty", "window_repeat_sum", "repeat_quarter"):
         assert by_name[name]["repeat_forward_s"] > 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
     for name in ("default", "window", "context", "accumulated"):
         assert by_name[name]["repeat_forward_s"] == 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
@@ -47,6 +47,17 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
         (64, True, "torch"),
     ]
     assert all(r["median_s"] > 0 and r["tflops"] > 0 for r in mass)
+
+
+def test_a_setting_can_change_a_named_settings_fields() -> None:
+    from eval.speed.config import resolve_config
+    from eval.speed.prefill import make_setting
+    from kvcompress import CompressKVPress
+
+    cfg = resolve_config(ARGS)
+    built = make_setting("balanced_window_novelty", cfg)
+    assert built == CompressKVPress.balanced(1.0 - cfg.kept, seed=cfg.seed, reference=("window", "novelty", "repeat"))
+    assert built.repeat_pieces == "novel" and built != make_setting("balanced", cfg)
 
 
 def cpu_peak_readable() -> bool:

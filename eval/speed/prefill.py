@@ -33,7 +33,8 @@ from eval.speed.clock import Clock, Notes, release
 from eval.speed.config import Config
 from kvcompress import CompressKVPress, UniformPress, registry
 
-# name -> CompressKVPress fields (None: built by make_setting); "default" is CompressKVPress() whatever it is.
+# name -> CompressKVPress fields (None: built by make_setting; "preset": a named setting's fields changed);
+# "default" is CompressKVPress() whatever it is.
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "snapkv": None,
@@ -50,6 +51,7 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "context": dict(reference=("window", "context")),
     "accumulated": dict(reference=("window", "accumulated")),
     "window_novelty": dict(reference=("window", "novelty")),  # the default before its induction prior (2026-11-26)
+    "balanced_window_novelty": dict(preset="balanced", reference=("window", "novelty", "repeat")),  # before it too
     "repeat_quarter": dict(reference=("window", "repeat"), repeat_fraction=0.25),
 }
 TORCH_MASS_MAX = 8192 * 8192  # the chunked torch path is timed on CUDA up to this many query-key pairs (~1 s)
@@ -69,7 +71,11 @@ def make_setting(name: str, cfg: Config):
         return CompressKVPress.paper(ratio, seed=cfg.seed, bin_rank=cfg.bin_rank)
     if name in registry.PRESETS:  # CompressKVPress's named settings (paper above: with the run's bin_rank)
         return getattr(CompressKVPress, name)(ratio, seed=cfg.seed)
-    return CompressKVPress(compression_ratio=ratio, seed=cfg.seed, **SETTINGS[name])
+    fields = dict(SETTINGS[name])
+    preset = fields.pop("preset", None)
+    if preset is not None:
+        return getattr(CompressKVPress, preset)(ratio, seed=cfg.seed, **fields)
+    return CompressKVPress(compression_ratio=ratio, seed=cfg.seed, **fields)
 
 
 class StageTimer:
