@@ -122,13 +122,18 @@ def _windowed(module: torch.nn.Module, kwargs: dict) -> bool:
     return kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None
 
 
+def _resolved_scaling(query: torch.Tensor, scaling: float | None) -> float:
+    """The call's softmax scaling: transformers passes the module's; None means ``d ** -0.5`` (sdpa's default)."""
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
+
+
 def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling, kwargs, slot: dict):
     """The causal attention of a prefill call with no cache before it (as many keys as queries, no padding mask, no
     window), its row log-sum-exp handed over in ``slot``; ``[b, q, h_q, d]``, or None where the stock path runs."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     if attention_mask is not None or _windowed(module, kwargs) or q_len < 2 or k_len != q_len:
         return None
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scaling = _resolved_scaling(query, scaling)
     try:
         if query.device.type == "cuda":
             out, lse = _flash_with_lse(query, key, value, True, scaling)
@@ -175,9 +180,7 @@ def _lower_right_causal_sdpa(
     slot = _CONTEXT_LSE.get()
     if slot is not None and _split_wanted(query):
         try:
-            out, lse = split_at_context(
-                query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling, _flash_with_lse
-            )
+            out, lse = split_at_context(query, key, value, _resolved_scaling(query, scaling), _flash_with_lse)
         except (RuntimeError, TypeError) as error:  # a flash operator this torch build lacks or refuses
             logger.warning_once(f"kvcompress: the repeat chunks' attention hands no log-sum-exp over ({error})")
         else:
@@ -223,7 +226,7 @@ def kvcompress_attention(
         mask = layer.window_mask(attention_mask)
         sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
         return sdpa(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scaling = _resolved_scaling(query, scaling)
     if getattr(layer, "is_compileable", False):  # a static layer: visibility on the device, one custom op
         key_mask, offset, v_min, v_max = layer.attention_inputs(attention_mask)
         out = torch.ops.kvcompress.weighted_attention_rows(
