@@ -149,9 +149,15 @@ def key_novelty(keys: torch.Tensor) -> torch.Tensor:
 
 def causal_row_lse(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """Each context query's causal softmax normaliser: ``log sum_{i <= j} exp(scaling <q_j, k_i>)`` for queries
-    ``[b, h_q, n, d]`` and keys ``[b, h_kv, n, d]`` (GQA) -> ``[b, h_q, n]`` float32, over query chunks of at most
-    ``_CHUNK_ELEMENTS`` logits (``_DEVICE_CHUNK_ELEMENTS`` off the CPU)."""
+    ``[b, h_q, n, d]`` and keys ``[b, h_kv, n, d]`` (GQA) -> ``[b, h_q, n]`` float32. On CUDA the attention-mass
+    kernel's first pass (:func:`kvcompress.kernels.attention_mass.row_lse_kernel`); elsewhere over query chunks of at
+    most ``_CHUNK_ELEMENTS`` logits (``_DEVICE_CHUNK_ELEMENTS`` off the CPU)."""
     batch, heads_q, n, dim = queries.shape
+    if queries.device.type == "cuda" and n > 0:
+        from kvcompress.kernels import attention_mass as kernel
+
+        if kernel.unsupported_reason(queries, keys) is None:
+            return kernel.row_lse_kernel(queries, keys, scaling, torch.arange(n, device=queries.device))
     heads_kv = keys.shape[1]
     group = heads_q // heads_kv
     grouped = queries.reshape(batch, heads_kv, group, n, dim)

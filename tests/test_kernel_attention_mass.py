@@ -130,6 +130,25 @@ def test_row_lse_of_a_wider_softmax(dtype, reduce, path):
         assert torch.all(got.sum(-1).cpu() < c * heads_q / heads_kv * (1 - 1e-3))
 
 
+@pytest.mark.parametrize(
+    "dtype, heads_q, heads_kv", [(torch.float32, 2, 2), (torch.bfloat16, 8, 2), (torch.float16, 7, 1)]
+)
+def test_row_lse_kernel_is_the_causal_normaliser(dtype, heads_q, heads_kv):
+    """Pass 1 alone (the induction prior's normaliser where no attention handed it over): against float64, and the
+    CPU path of selection.causal_row_lse. A normaliser off by delta scales every probability by exp(delta), so the
+    probabilities' tolerance bounds it."""
+    n = 77
+    q, k = make_inputs(2, heads_q, heads_kv, n, n, 32, dtype, seed=n + heads_q, strided=heads_q == 8)
+    positions = torch.arange(n)
+    got = kernel.row_lse_kernel(q, k, 0.3, positions.to(DEVICE), block_r=32, block_n=32)
+    logits = 0.3 * q.cpu().double() @ k.cpu().double().repeat_interleave(heads_q // heads_kv, 1).mT
+    expected = torch.logsumexp(logits.masked_fill(torch.arange(n) > positions[:, None], -torch.inf), -1)
+    assert got.dtype == torch.float32 and got.shape == expected.shape == (2, heads_q, n)
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=0, atol=TOL[dtype])
+    reference = selection.causal_row_lse(q.cpu().float(), k.cpu().float(), 0.3)
+    torch.testing.assert_close(got.cpu(), reference, rtol=0, atol=TOL[dtype])
+
+
 def test_public_entry_dispatches_and_checks_arguments():
     q, k = make_inputs(1, 4, 2, 9, 40, 16, torch.float32, seed=1)
     got = attention_mass(q, k, 0.5, reduce="max")

@@ -194,6 +194,58 @@ def launch_config(
     return dict(flags, BLOCK_N=block_n1), dict(flags, BLOCK_N=block_n2, REDUCE_MAX=reduce == "max")
 
 
+def _launch(queries, keys, scaling, query_positions, key_mask, reduce, block_r, block_n):
+    """Shapes, pointers and per-pass options both launchers share."""
+    reason = unsupported_reason(queries, keys)
+    if reason is not None:
+        raise ValueError(f"attention mass kernel: {reason}")
+    batch, heads_q, m, dim = queries.shape
+    _, heads_kv, n, _ = keys.shape
+    rows = heads_q // heads_kv * m
+    device = queries.device
+    positions = query_positions.to(device=device, dtype=torch.int64) if query_positions is not None else None
+    pos_t = positions if positions is not None else torch.zeros(1, dtype=torch.int64, device=device)
+    mask_t = key_mask.view(torch.uint8) if key_mask is not None else torch.zeros(1, 1, dtype=torch.uint8, device=device)
+    rows_pass, column_pass = launch_config(
+        dim, queries.dtype, positions is not None, key_mask is not None, reduce, block_r, block_n
+    )
+    common = (
+        heads_kv, heads_q // heads_kv, m, rows, n, scaling * LOG2E,
+        *queries.stride(), *keys.stride(), pos_t.stride(0), *mask_t.stride(),
+    )  # fmt: skip
+    return pos_t, mask_t, common, rows_pass, column_pass
+
+
+def _row_lse_log2(queries, keys, pos_t, mask_t, common, rows_pass) -> torch.Tensor:
+    """Pass 1: ``[b * h_kv, group * m]`` float32 log2 normalisers (a KV head's rows: its group's query heads one
+    after the other, each over the m queries; ``+inf`` for a row that sees no key)."""
+    batch, heads_kv, rows = queries.shape[0], keys.shape[1], common[3]
+    lse = torch.empty(batch * heads_kv, rows, dtype=torch.float32, device=queries.device)
+    _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, rows_pass["BLOCK_R"]))](
+        queries, keys, pos_t, mask_t, lse, *common, **rows_pass
+    )
+    return lse
+
+
+def row_lse_kernel(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    query_positions: torch.Tensor | None = None,
+    *,
+    key_mask: torch.Tensor | None = None,
+    block_r: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Pass 1 alone: each query's softmax normaliser ``log sum_{visible j} exp(scaling <q, k_j>)``, natural log,
+    ``[b, h_q, m]`` float32 (``+inf`` for a query that sees no key); arguments as :func:`attention_mass_kernel`."""
+    pos_t, mask_t, common, rows_pass, _ = _launch(
+        queries, keys, scaling, query_positions, key_mask, "sum", block_r, block_n
+    )
+    lse = _row_lse_log2(queries, keys, pos_t, mask_t, common, rows_pass)
+    return (lse / LOG2E).reshape(queries.shape[:3])
+
+
 def attention_mass_kernel(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -212,34 +264,17 @@ def attention_mass_kernel(
     each query's softmax, when an attention that already ran computed it: pass 1 is skipped. Inputs must be
     validated by :func:`kvcompress.selection.attention_mass`. ``block_r`` / ``block_n``: tile sizes (powers of two
     >= 16) overriding the defaults (tests, tuning). Returns ``[b, h_kv, n]`` float32."""
-    reason = unsupported_reason(queries, keys)
-    if reason is not None:
-        raise ValueError(f"attention mass kernel: {reason}")
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce: must be one of 'sum', 'max', got {reduce!r}")
-    batch, heads_q, m, dim = queries.shape
-    _, heads_kv, n, _ = keys.shape
-    group = heads_q // heads_kv
-    rows = group * m
-    device = queries.device
-    positions = query_positions.to(device=device, dtype=torch.int64) if query_positions is not None else None
-    pos_t = positions if positions is not None else torch.zeros(1, dtype=torch.int64, device=device)
-    mask_t = key_mask.view(torch.uint8) if key_mask is not None else torch.zeros(1, 1, dtype=torch.uint8, device=device)
-    out = torch.empty(batch, heads_kv, n, dtype=torch.float32, device=device)
-    rows_pass, column_pass = launch_config(
-        dim, queries.dtype, positions is not None, key_mask is not None, reduce, block_r, block_n
+    pos_t, mask_t, common, rows_pass, column_pass = _launch(
+        queries, keys, scaling, query_positions, key_mask, reduce, block_r, block_n
     )
-    common = (
-        heads_kv, group, m, rows, n, scaling * LOG2E,
-        *queries.stride(), *keys.stride(), pos_t.stride(0), *mask_t.stride(),
-    )  # fmt: skip
+    batch, heads_kv, n = keys.shape[0], keys.shape[1], keys.shape[2]
     if row_lse is None:
-        lse = torch.empty(batch * heads_kv, rows, dtype=torch.float32, device=device)
-        _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, rows_pass["BLOCK_R"]))](
-            queries, keys, pos_t, mask_t, lse, *common, **rows_pass
-        )
+        lse = _row_lse_log2(queries, keys, pos_t, mask_t, common, rows_pass)
     else:  # rows of a KV head: its group's query heads one after the other, each over the m queries; log2 units
-        lse = (row_lse.to(device=device, dtype=torch.float32) * LOG2E).reshape(batch * heads_kv, rows)
+        lse = (row_lse.to(device=queries.device, dtype=torch.float32) * LOG2E).reshape(batch * heads_kv, -1)
+    out = torch.empty(batch, heads_kv, n, dtype=torch.float32, device=queries.device)
     _column_kernel[(batch * heads_kv, triton.cdiv(n, column_pass["BLOCK_N"]))](
         queries, keys, pos_t, mask_t, lse, out, *common, **column_pass
     )
