@@ -1,6 +1,9 @@
-"""Compile the prefill's Triton kernels (the fit's, ``kvcompress.kernels.fit_products``, and the attention mass's,
-``kvcompress.kernels.attention_mass``) for a GPU without one: the launch options their launchers choose, for each
-dtype, head dim and bin size asked, down to a cubin with the ptxas bundled in the triton wheel. Prints each kernel's
+"""Compile every Triton kernel of the library for a GPU without one: the prefill's (the fit's,
+``kvcompress.kernels.fit_products``; the attention mass's, ``kvcompress.kernels.attention_mass``; the paper's RPNys
+coreset, ``kvcompress.kernels.rpnys``) and the weighted attention's over a compressed cache (decode and many new
+tokens, ``kvcompress.kernels.weighted_decode`` / ``weighted_prefill``: stage 1 and the split merge), with the
+launch options their launchers choose, for each dtype, head dim and bin size asked, down to a cubin with the
+ptxas bundled in the triton wheel. Prints each kernel's
 shared memory and, where the wheel bundles ``cuobjdump``, its registers and stack and local (spilled) memory; exits
 1 if a kernel fails to compile or needs more shared memory than the target has (spills are reported, not failed:
 the attention mass's column pass spills 16 B in bf16 and ran at 187 TFLOP/s on an H200).
@@ -28,9 +31,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory a block may use (A100, H100 / H200)
 
 
+FLOAT_SCALARS = ("qk_scale", "beta_hi", "beta_lo", "rho_hi", "rho_lo")  # Python floats the launchers pass
+
+
 def _signature(kernel, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
-    """Argument types of ``kernel``: constexprs by name, pointers as given, strides (``s_*``) int64, ``qk_scale``
-    fp32, other scalars int32 (what the launcher passes)."""
+    """Argument types of ``kernel``: constexprs by name, pointers as given, strides (``s_*``) int64, the float
+    scalars fp32, other scalars int32 (what the launcher passes)."""
     types = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -38,7 +44,7 @@ def _signature(kernel, constexprs: dict, pointers: dict[str, str]) -> dict[str, 
         elif name in pointers:
             types[name] = pointers[name]
         else:
-            types[name] = "fp32" if name == "qk_scale" else "i64" if name.startswith("s_") else "i32"
+            types[name] = "fp32" if name in FLOAT_SCALARS else "i64" if name.startswith("s_") else "i32"
     return types
 
 
@@ -48,7 +54,7 @@ def compile_one(kernel, config: dict, pointers: dict[str, str], arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    options = {key: config[key] for key in ("num_warps", "num_stages")}
+    options = {key: config[key] for key in ("num_warps", "num_stages") if key in config}  # else Triton's defaults
     constexprs = {key: value for key, value in config.items() if key not in options}
     source = ASTSource(
         fn=kernel,
@@ -116,9 +122,70 @@ def mass_cases(dtypes: list[str], head_dims: list[int]):
                 yield f"mass columns {dtype_name} d={dim} {reduce}", am._column_kernel, column_pass, pointers
 
 
+def rpnys_cases(dtypes: list[str], head_dims: list[int]):
+    """(name, kernel, launch config, pointer types) of the RPNys coreset kernel with the paper's 12 pivots a bin:
+    bins of 48 rows (a 32k context kept at 25%), with and without a query radius, and the longest bin the kernel
+    takes at that head dim (``rpnys.unsupported``: 256 rows, 128 at head dim 256)."""
+    import triton
+
+    from kvcompress.kernels import rpnys
+
+    for dtype_name in dtypes:
+        data = "*" + dtype_name
+        for dim in head_dims:
+            longest = min(rpnys.MAX_BIN_LENGTH, rpnys.MAX_TILE // max(16, triton.next_power_of_2(dim)))
+            for length, has_radius in ((48, False), (48, True), (longest, False)):
+                config = rpnys.launch_options(length * 64, dim, dim, 12 * 64, 64, has_radius)
+                radius = "*fp64" if has_radius else "*fp32"  # the mean stands in for an absent radius
+                pointers = dict(k_ptr=data, v_ptr=data, mean_ptr="*fp32", qr_ptr=radius, ks_ptr=data, vs_ptr=data,
+                                w_ptr="*fp32")  # fmt: skip
+                name = f"rpnys {dtype_name} d={dim} bin={length} radius={has_radius}"
+                yield name, rpnys._rpnys_bins_kernel, config, pointers
+
+
+def attention_cases(dtypes: list[str], head_dims: list[int]):
+    """(name, kernel, launch config, pointer types) of the weighted attention over a compressed cache, as its
+    launchers plan it for a Qwen2.5-7B-shaped layer (28 query heads, 4 KV heads) over 32,768 cached rows: a decode
+    step (split over the keys: stage 1 and the merge), plain and as a static cache runs it (the causal offset read
+    on the device, a key mask, the value clip), and a 512-token prefill chunk."""
+    import torch
+
+    from kvcompress.kernels import weighted_decode as wd
+    from kvcompress.kernels.launch import launch_plan
+    from kvcompress.kernels.weighted_prefill import pipeline_stages
+
+    n = 32768
+    for dtype_name in dtypes:
+        dtype, data = DTYPES[dtype_name], "*" + dtype_name
+        for dim in head_dims:
+            for label, m, static in (("decode", 1, False), ("decode static", 1, True), ("prefill m=512", 512, False)):
+                queries = torch.empty(1, 28, m, dim, dtype=dtype, device="meta")
+                keys = torch.empty(1, 4, n + m, dim, dtype=dtype, device="meta")
+                offset = torch.empty(1, dtype=torch.int64, device="meta") if static else n
+                plan = launch_plan(queries, keys, keys, offset, None, None, None, interpret=False)
+                stages = pipeline_stages(dim, dim, dtype) if m > wd.MAX_NEW_TOKENS else 2
+                split, merge = wd.kernel_options(
+                    plan, dim, dim, has_vmin=static, has_vmax=static, has_mask=static, offset_on_device=static,
+                    num_stages=stages,
+                )  # fmt: skip
+                partial = data if plan.num_splits == 1 else "*fp32"  # one split: stage 1 writes the output
+                pointers = dict(q_ptr=data, k_ptr=data, v_ptr=data, w_ptr=data, vmin_ptr=data, vmax_ptr=data,
+                                mask_ptr="*u8", out_ptr=data, mpart_ptr=partial, dpart_ptr=partial,
+                                npart_ptr=partial, offset_ptr="*i64" if static else "*u8")  # fmt: skip
+                name = f"weighted {label} {dtype_name} d={dim}"
+                yield f"{name} splits={plan.num_splits}", wd._weighted_split_kernel, split, pointers
+                if plan.num_splits > 1:
+                    merged = dict(pointers, mpart_ptr="*fp32", dpart_ptr="*fp32", npart_ptr="*fp32")
+                    yield f"{name} merge", wd._weighted_decode_reduce_kernel, merge, merged
+
+
+FAMILIES = {"fit": fit_cases, "mass": mass_cases, "rpnys": rpnys_cases, "attention": attention_cases}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.compile_kernels", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, choices=sorted(MAX_SHARED), default=90, help="compute capability x 10")
+    p.add_argument("--kernels", nargs="+", choices=list(FAMILIES), default=list(FAMILIES), help="kernel families")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256], help="each in [1, 256]")
     p.add_argument("--bin-rows", type=int, nargs="+", default=[1, 16, 64], help="fit bin sizes, each in [1, 64]")
@@ -130,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         p.error("TRITON_INTERPRET=1 is set: the kernels would be defined for the interpreter; unset it")
     failed = 0
-    cases = [*fit_cases(args.dtypes, args.head_dims, args.bin_rows), *mass_cases(args.dtypes, args.head_dims)]
+    cases = []
+    for family in args.kernels:
+        sizes = (args.head_dims, args.bin_rows) if family == "fit" else (args.head_dims,)
+        cases += FAMILIES[family](args.dtypes, *sizes)
     for name, kernel, config, pointers in cases:
         try:
             compiled = compile_one(kernel, config, pointers, args.arch)

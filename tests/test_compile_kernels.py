@@ -1,6 +1,6 @@
-"""eval/compile_kernels.py: the fit's fused kernels and the attention mass's compile for an H100 (sm_90) on this
-CPU-only machine with the launch options their launchers choose, the fit's without register spills; bad arguments
-exit with a message naming the flag.
+"""eval/compile_kernels.py: every kernel family (the fit's, the attention mass's, the RPNys coreset's, the weighted
+attention's) compiles for an H100 (sm_90) on this CPU-only machine with the launch options its launchers choose,
+the fit's without register spills; bad arguments exit with a message naming the flag.
 
 It runs in a subprocess: this session's conftest sets TRITON_INTERPRET=1, under which the kernels are defined for
 the interpreter and cannot be compiled.
@@ -25,7 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_prefill_kernels_compile_for_sm90_the_fit_without_spills():
-    done = _run("--dtypes", "bf16", "fp32", "--head-dims", "128", "--bin-rows", "1", "16")
+    done = _run("--kernels", "fit", "mass", "--dtypes", "bf16", "fp32", "--head-dims", "128", "--bin-rows", "1", "16")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
     # Two dtypes x (attention_rows with and without positions, block_products at 2 bin sizes, the mass's row pass
@@ -35,8 +35,21 @@ def test_prefill_kernels_compile_for_sm90_the_fit_without_spills():
     assert len(fit) == 8 and all(line.endswith("stack + local 0 B") for line in fit), fit
 
 
+def test_weighted_attention_and_rpnys_kernels_compile_for_sm90():
+    done = _run("--kernels", "attention", "rpnys", "--dtypes", "bf16", "--head-dims", "128")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
+    # Decode (plain, static), a 512-token prefill chunk, each split over the keys: stage 1 and the merge; RPNys:
+    # 48-row bins with and without a query radius, 256-row bins.
+    weighted = [line for line in lines if line.startswith("ok     weighted")]
+    assert len(weighted) == 6 and sum("merge" in line for line in weighted) == 3, done.stdout
+    assert len([line for line in lines if "rpnys" in line]) == 3, done.stdout
+    assert done.stdout.rstrip().endswith("0 failed for sm_90")
+
+
 @pytest.mark.parametrize("bad, flag", [(["--head-dims", "300"], "--head-dims"), (["--bin-rows", "65"], "--bin-rows"),
-                                       (["--arch", "70"], "--arch")])  # fmt: skip
+                                       (["--arch", "70"], "--arch"),
+                                       (["--kernels", "decode"], "--kernels")])  # fmt: skip
 def test_bad_arguments_exit_with_a_message(bad, flag):
     done = _run(*bad)
     assert done.returncode == 2 and flag in done.stderr

@@ -190,6 +190,12 @@ def test_triton_refuses_what_it_cannot_run(monkeypatch):
     wide, _ = make_inputs((1,), 16, 512, 8)
     with pytest.raises(ValueError, match="backend.*head dims"):
         compress_kv(wide, values[..., :16, :], 4, seed=0, backend="triton")
+    # Bins of 129-256 rows fit a tile only up to head dim 128 (a 256 x 256 fp32 tile overflows sm_90's shared memory).
+    long_bins, long_values = make_inputs((1,), 2 * 200, 256, 8)
+    with pytest.raises(ValueError, match=r"backend.*tiles up to 32768 elements.*256 x 256 \(bin length 200, d=256"):
+        compress_kv(long_bins, long_values, 8, bins=2, seed=0, backend="triton")
+    assert rpnys_kernel.unsupported(long_bins[..., :128], long_values, 2, 4) is None
+    assert rpnys_kernel.unsupported(long_bins[..., :100, :], long_values[..., :100, :], 1, 4) is None  # 100 x 256
     monkeypatch.setattr(rpnys_kernel, "INTERPRET", False)
     with pytest.raises(ValueError, match="backend.*CUDA"):
         compress_kv(keys, values, 4, bins=2, seed=0, backend="triton")

@@ -48,6 +48,9 @@ MAX_BIN_RANK = 32
 MAX_BIN_LENGTH = 256
 MAX_HEAD_DIM = 256
 MAX_BINS = 65535  # CUDA's limit on grid axis 1
+# A bin's rows x head dim, padded to powers of two: its float32 tile lives in shared memory (256 x 256 needs 272 KiB
+# on sm_90, above an H100's 227 KiB; 128 x 256 needs 136 KiB, within an A100's 163: eval.compile_kernels).
+MAX_TILE = 128 * 256
 EXHAUSTED = 1e-5  # residual floor of the fp32 reference (nystrom._EXHAUSTED[torch.float32])
 
 
@@ -227,7 +230,29 @@ def unsupported(keys: torch.Tensor, values: torch.Tensor, bins: int, bin_rank: i
         return f"supports bins <= {MAX_BINS} (CUDA grid axis 1), got {bins}"
     if keys.shape[-1] > MAX_HEAD_DIM or values.shape[-1] > MAX_HEAD_DIM:
         return f"supports head dims <= {MAX_HEAD_DIM}, got d={keys.shape[-1]}, d_v={values.shape[-1]}"
+    options = launch_options(keys.shape[-2], keys.shape[-1], values.shape[-1], bins * bin_rank, bins, False)
+    tile = options["BLOCK_L"] * max(options["BLOCK_D"], options["BLOCK_DV"])
+    if tile > MAX_TILE:
+        return (
+            f"supports bin length x head dim tiles up to {MAX_TILE} elements (powers of two: shared memory), got "
+            f"{options['BLOCK_L']} x {max(options['BLOCK_D'], options['BLOCK_DV'])} (bin length {length}, "
+            f"d={keys.shape[-1]}, d_v={values.shape[-1]})"
+        )
     return None
+
+
+def launch_options(n: int, dim: int, dim_v: int, rank: int, bins: int, has_radius: bool) -> dict:
+    """The kernel's constexprs and launch options for ``rank`` pivots over ``bins`` bins of an ``n``-row problem:
+    what :func:`rpnys_compress` passes, and what ``eval.compile_kernels`` compiles for a GPU without one."""
+    per_bin = rank // bins
+    block_l = max(16, triton.next_power_of_2(-(-n // bins)))
+    block_d, block_dv = max(16, triton.next_power_of_2(dim)), max(16, triton.next_power_of_2(dim_v))
+    tile = block_l * max(block_d, block_dv)
+    return dict(
+        K=per_bin, BLOCK_K=max(16, triton.next_power_of_2(per_bin)), BLOCK_L=block_l, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, HAS_QR=has_radius, FLOOR=EXHAUSTED,
+        num_warps=4 if tile <= 4096 else 8 if tile <= 16384 else 16, num_stages=1,
+    )  # fmt: skip
 
 
 def rpnys_compress(
@@ -249,28 +274,23 @@ def rpnys_compress(
     """
     problems, n, dim = keys.shape
     dim_v = values.shape[-1]
-    per_bin = rank // bins
-    length = -(-n // bins)
     mean = mean.to(torch.float32).contiguous()
     selected_keys = torch.empty(problems, rank, dim, dtype=keys.dtype, device=keys.device)
     compressed_values = torch.empty(problems, rank, dim_v, dtype=values.dtype, device=values.device)
     row_weights = torch.empty(problems, rank, dtype=torch.float32, device=keys.device)
     radius = mean if query_radius is None else query_radius.to(torch.float64).contiguous()
     beta_hi, beta_lo = _split(scaling)
-    block_l = max(16, triton.next_power_of_2(length))
-    block_d = max(16, triton.next_power_of_2(dim))
-    tile = block_l * max(block_d, triton.next_power_of_2(dim_v))
-    num_warps = 4 if tile <= 4096 else 8 if tile <= 16384 else 16
     key32 = seed_key - 2**32 if seed_key >= 2**31 else seed_key  # the same 32 bits as an int32 argument
     _rpnys_bins_kernel[(problems, bins)](
         keys, values, mean, radius, selected_keys, compressed_values, row_weights,
         n, dim, dim_v, bins, key32, beta_hi, beta_lo, _RHO0_HI, _RHO0_LO,
         *keys.stride(), *values.stride(), *selected_keys.stride(), *compressed_values.stride(),
-        K=per_bin, BLOCK_K=max(16, triton.next_power_of_2(per_bin)), BLOCK_L=block_l, BLOCK_D=block_d,
-        BLOCK_DV=max(16, triton.next_power_of_2(dim_v)), HAS_QR=query_radius is not None,
-        FLOOR=EXHAUSTED, num_warps=num_warps, num_stages=1,
+        **launch_options(n, dim, dim_v, rank, bins, query_radius is not None),
     )  # fmt: skip
     return selected_keys, compressed_values, row_weights
 
 
-__all__ = ["INTERPRET", "MAX_BINS", "MAX_BIN_LENGTH", "MAX_BIN_RANK", "MAX_HEAD_DIM", "rpnys_compress", "unsupported"]
+__all__ = [
+    "INTERPRET", "MAX_BINS", "MAX_BIN_LENGTH", "MAX_BIN_RANK", "MAX_HEAD_DIM", "MAX_TILE", "launch_options",
+    "rpnys_compress", "unsupported",
+]  # fmt: skip

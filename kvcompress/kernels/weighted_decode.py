@@ -40,6 +40,7 @@ from kvcompress.kernels.launch import (  # noqa: F401  (the tiling constants and
     MIN_KEYS_PER_SPLIT,
     REDUCE_CHUNK,
     SPLITS_PER_SM,
+    LaunchPlan,
     choose_num_splits,
     dummies,
     launch_plan,
@@ -269,6 +270,22 @@ def unsupported_reason(
     return None
 
 
+def kernel_options(
+    plan: LaunchPlan, dim: int, d_v: int, *, has_vmin: bool, has_vmax: bool, has_mask: bool,
+    offset_on_device: bool, num_stages: int,
+) -> tuple[dict, dict]:  # fmt: skip
+    """The constexprs and launch options of stage 1 and stage 2 (used when ``plan.num_splits > 1``) for a launch
+    ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one."""
+    clips = dict(HAS_VMIN=has_vmin, HAS_VMAX=has_vmax)
+    split = dict(
+        D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        HAS_MASK=has_mask, FINAL=plan.num_splits == 1, DOT_FP32=plan.dot_fp32, OFFSET_PTR=offset_on_device,
+        num_warps=plan.num_warps, num_stages=num_stages, **clips,
+    )  # fmt: skip
+    reduce = dict(DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv, num_warps=plan.reduce_warps, **clips)
+    return split, reduce
+
+
 def weighted_decode_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -316,24 +333,23 @@ def weighted_decode_attention(
     on_device = isinstance(causal_offset, torch.Tensor)
     offset_t = causal_offset if on_device else dummy_mask
 
+    split_options, reduce_options = kernel_options(
+        plan, dim, d_v, has_vmin=v_min is not None, has_vmax=v_max is not None, has_mask=key_mask is not None,
+        offset_on_device=on_device, num_stages=num_stages,
+    )  # fmt: skip
     _weighted_split_kernel[plan.grid](
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
         scaling * LOG2E,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
-        D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
-        HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None, HAS_MASK=key_mask is not None, FINAL=final,
-        DOT_FP32=plan.dot_fp32, OFFSET_PTR=on_device,
-        num_warps=plan.num_warps, num_stages=num_stages,
+        **split_options,
     )  # fmt: skip
     if not final:
         _weighted_decode_reduce_kernel[(batch * heads_kv * plan.rows,)](
             mpart, dpart, npart, lo_t, hi_t, out,
             heads_kv, plan.rows, plan.num_splits,
             *lo_t.stride(), *hi_t.stride(),
-            DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv,
-            HAS_VMIN=v_min is not None, HAS_VMAX=v_max is not None,
-            num_warps=plan.reduce_warps,
+            **reduce_options,
         )  # fmt: skip
     return out

@@ -37,7 +37,10 @@ def weighted_prefill_attention(
     :func:`kvcompress.kernels.weighted_decode.weighted_decode_attention` (``scaling`` and the optional
     ``v_min``, ``v_max``, ``causal_offset``, ``key_mask``, ``num_splits``, ``block_n``, ``block_r``), with prefill
     tiles by default. Returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``."""
-    # Three K/V tiles in flight for 16-bit tiles up to d = 128; two otherwise (shared memory).
-    deep = max(queries.shape[3], values.shape[3]) <= 128 and queries.element_size() <= 2
-    options = {"num_stages": 3 if deep else 2, **options, "max_new_tokens": None}
-    return _launch(queries, keys, values, weights, **options)
+    stages = pipeline_stages(queries.shape[3], values.shape[3], queries.dtype)
+    return _launch(queries, keys, values, weights, **{"num_stages": stages, **options, "max_new_tokens": None})
+
+
+def pipeline_stages(dim: int, d_v: int, dtype: torch.dtype) -> int:
+    """Key/value tiles in flight: three for 16-bit tiles up to head dim 128, two otherwise (shared memory)."""
+    return 3 if max(dim, d_v) <= 128 and dtype.itemsize <= 2 else 2
