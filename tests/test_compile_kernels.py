@@ -35,15 +35,18 @@ def test_prefill_kernels_compile_for_sm90_the_fit_without_spills():
     assert len(fit) == 8 and all(line.endswith("stack + local 0 B") for line in fit), fit
 
 
-def test_weighted_attention_and_rpnys_kernels_compile_for_sm90():
-    done = _run("--kernels", "attention", "rpnys", "--dtypes", "bf16", "--head-dims", "128")
+def test_weighted_attention_and_rpnys_kernels_compile_for_sm90_float32_attention_without_spills():
+    done = _run("--kernels", "attention", "rpnys", "--dtypes", "bf16", "fp32", "--head-dims", "128")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    # Decode (plain, static), a 512-token prefill chunk, each split over the keys: stage 1 and the merge; RPNys:
-    # 48-row bins with and without a query radius, 256-row bins.
+    # Decode (plain, static) and a 512-token prefill chunk: stage 1, and the merge where the keys are split (bf16:
+    # all three; float32: its 16-row tiles give the chunk enough programs unsplit).
     weighted = [line for line in lines if line.startswith("ok     weighted")]
-    assert len(weighted) == 6 and sum("merge" in line for line in weighted) == 3, done.stdout
-    assert len([line for line in lines if "rpnys" in line]) == 3, done.stdout
+    bf16, fp32 = ([line for line in weighted if f" {dtype} " in line] for dtype in ("bf16", "fp32"))
+    assert len(bf16) == 6 and sum("merge" in line for line in bf16) == 3, done.stdout
+    assert len(fp32) == 5 and all(line.endswith("stack + local 0 B") for line in fp32), done.stdout
+    # RPNys: 48-row bins with and without a query radius, 256-row bins; per dtype.
+    assert len([line for line in lines if "rpnys" in line]) == 6, done.stdout
     assert done.stdout.rstrip().endswith("0 failed for sm_90")
 
 

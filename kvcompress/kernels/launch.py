@@ -107,11 +107,15 @@ def launch_plan(
     n_read = n if on_device else min(n, c + m)
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(d_v)
     wide = max(block_d, block_dv) > 128
+    # float32 (FMA dots): 16 rows x 32 keys, 8 warps, the tiles that compile without register spills on sm_90 at
+    # head dims 64-256 (the 16-bit tiles spilled 0.5-10 KB a thread in float32: eval.compile_kernels).
+    fp32 = queries.dtype == torch.float32
     if block_r is None:
-        block_r = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS)
+        widest = 16 if fp32 else MAX_BLOCK_ROWS // 2 if wide else MAX_BLOCK_ROWS
+        block_r = min(max(16, triton.next_power_of_2(rows)), widest)
     row_blocks = triton.cdiv(rows, block_r)
     if block_n is None:
-        block_n = 32 if wide else 64
+        block_n = 32 if wide or fp32 else 64
     if num_splits is None:
         num_splits = choose_num_splits(n_read, batch * heads_kv * row_blocks, block_n, sm_count(queries.device))
     split_len, num_splits = whole_tile_splits(n_read, num_splits, block_n)
@@ -126,7 +130,7 @@ def launch_plan(
         block_n=block_n,
         block_d=block_d,
         block_dv=block_dv,
-        num_warps=8 if block_r * block_dv >= 128 * 128 else 4,
+        num_warps=8 if fp32 or block_r * block_dv >= 128 * 128 else 4,
         dot_fp32=dot_in_fp32(queries.dtype, interpret),
         reduce_block_s=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
         reduce_warps=4 if block_dv >= 256 else 2,
