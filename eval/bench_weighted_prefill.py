@@ -8,8 +8,10 @@ positive (fitted masses), so FlexAttention applies; the clip range is on.
 
 Backends (``--backends``): ``triton`` (the split-K kernel through ``kvcompress.kernels.weighted_prefill``),
 ``torch`` (the reference, which builds the whole logits tensor) and ``flex`` (torch FlexAttention with a
-``log w`` score bias; compiled on CUDA, so its first calls compile). Each row: median and min over
-``--repeats`` calls after ``--warmup`` calls, timed with CUDA events; a buffer larger than L2 is zeroed
+``log w`` score bias; compiled on CUDA, so its first calls compile). ``--tiles RxN[xW] ...`` adds one Triton row per
+tile (``triton RxNxW``: ``R`` rows and ``N`` keys a program, ``W`` warps, else the launcher's), the kernel's launcher
+called with them, to A/B tile choices (register spills: ``python -m eval.compile_kernels``). Each row: median and
+min over ``--repeats`` calls after ``--warmup`` calls, timed with CUDA events; a buffer larger than L2 is zeroed
 before every timed call so K/V never come from cache. Also per row: the relative error against the
 reference (``||out - ref|| / ||ref||``), the visible-pair FLOPs (QK^T and PV) per second and the floor
 bytes (K, V, w read once, q and out) per second. ``--device cpu`` runs tiny sizes with a host clock: a
@@ -101,16 +103,30 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
+def _call(case: dict[str, Any], backend: str) -> Callable[[], torch.Tensor]:
+    return lambda: weighted_attention(**case, backend=backend, check_finite=False)
+
+
+def _tiled_call(case: dict[str, Any], backend: str) -> Callable[[], torch.Tensor]:
+    """The Triton launcher ``weighted_attention`` would pick for ``case`` (decode up to ``MAX_NEW_TOKENS`` new
+    tokens, multi-token above), called with the tile of ``backend`` (``"triton RxN"`` or ``"triton RxNxW"``)."""
+    from kvcompress.kernels import weighted_decode, weighted_prefill
+
+    block_r, block_n, *warps = (int(part) for part in backend.split()[1].split("x"))
+    decode = case["queries"].shape[2] <= weighted_decode.MAX_NEW_TOKENS
+    launcher = weighted_decode.weighted_decode_attention if decode else weighted_prefill.weighted_prefill_attention
+    scaling = case["queries"].shape[-1] ** -0.5
+    tile = dict(block_r=block_r, block_n=block_n, num_warps=warps[0] if warps else None)
+    return lambda: launcher(**case, scaling=scaling, **tile)
+
+
 def measure(case: dict[str, Any], args: argparse.Namespace, device: torch.device, flush) -> list[dict[str, Any]]:
     """One row per backend for one case (an error row where a backend fails, e.g. out of memory)."""
     flops, moved = work(case)
     ref = weighted_attention(**case, backend="torch", check_finite=False)
     rows = []
-    for backend in args.backends:
-
-        def call(backend: str = backend) -> torch.Tensor:
-            return weighted_attention(**case, backend=backend, check_finite=False)
-
+    for backend in [*args.backends, *(f"triton {tile}" for tile in args.tiles)]:
+        call = _tiled_call(case, backend) if backend.startswith("triton ") else _call(case, backend)
         row: dict[str, Any] = dict(
             cache_rows=case["keys"].shape[2], new_tokens=case["queries"].shape[2], backend=backend
         )
@@ -178,6 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--backends", nargs="+", choices=("triton", "torch", "flex"), default=["triton", "torch", "flex"])
+    p.add_argument("--tiles", nargs="+", default=[], metavar="RxN[xW]",
+                   help="extra Triton rows with these tiles: rows and keys a program (powers of two >= 16), warps")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (flex compiles here on CUDA)")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--output", help="JSON path (default results/bench/weighted_prefill_<device>.json)")
@@ -186,6 +204,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--kept: must be in (0, 1], got {args.kept}")
     if args.heads[1] < 1 or args.heads[0] % args.heads[1]:
         p.error(f"--heads: H_Q must be a multiple of H_KV >= 1, got {args.heads}")
+    for tile in args.tiles:
+        sizes = [int(part) if part.isdigit() else 0 for part in tile.split("x")]
+        powers = all(size > 0 and size & (size - 1) == 0 for size in sizes)
+        if len(sizes) not in (2, 3) or not powers or min(sizes[:2]) < 16 or max(sizes[2:], default=1) > 16:
+            p.error(f"--tiles: each must be RxN or RxNxW (R, N powers of two >= 16; W one <= 16), got {tile!r}")
     if min(args.contexts + args.new_tokens + [args.batch, args.head_dim, args.repeats]) < 1 or args.warmup < 0:
         p.error("--contexts, --new-tokens, --batch, --head-dim, --repeats: must be >= 1; --warmup >= 0")
     return args

@@ -34,7 +34,25 @@ def test_smoke_run_reports_every_backend(tmp_path: Path, capsys: pytest.CaptureF
     assert data["environment"]["device"] == "cpu" and data["settings"]["heads"] == [4, 2]
 
 
-@pytest.mark.parametrize("bad", [["--kept", "0"], ["--heads", "6", "4"], ["--new-tokens", "0"]])
+def test_tiles_add_triton_rows_that_agree_with_the_reference(tmp_path: Path) -> None:
+    output = tmp_path / "bench.json"
+    # m = 9 runs the decode launcher, m = 40 the multi-token one; warps are the launcher's or the tile's.
+    argv = [*TINY, "--new-tokens", "9", "40", "--backends", "torch", "--tiles", "16x32", "32x16x8", "--output"]
+    assert bench.main([*argv, str(output)]) == 0
+    rows = json.loads(output.read_text())["rows"]
+    assert {(r["new_tokens"], r["backend"]) for r in rows} == {
+        (m, b) for m in (9, 40) for b in ("torch", "triton 16x32", "triton 32x16x8")
+    }
+    for row in rows:
+        assert "error" not in row, row
+        assert row["rel_error"] < 1e-5  # fp32 against the reference
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--kept", "0"], ["--heads", "6", "4"], ["--new-tokens", "0"], ["--tiles", "8x32"], ["--tiles", "16x24"],
+     ["--tiles", "16x32x32"], ["--tiles", "16"], ["--tiles", "axb"]],
+)  # fmt: skip
 def test_bad_arguments_exit_with_a_message(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bench.main([*TINY, *bad])

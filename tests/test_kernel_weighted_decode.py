@@ -182,6 +182,13 @@ def test_decode_launcher_rejects_more_than_16_new_tokens():
         weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25)
 
 
+@pytest.mark.parametrize("warps", [3, 0, 32])
+def test_launcher_rejects_a_bad_warp_count(warps):
+    q, k, v, w, _ = make_inputs(1, 2, 1, 1, 20, 16, torch.float32)
+    with pytest.raises(ValueError, match=rf"num_warps: must be 1, 2, 4, 8 or 16, got {warps}"):
+        weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25, num_warps=warps)
+
+
 def test_triton_needs_cuda_outside_interpreter(monkeypatch):
     monkeypatch.setattr(weighted_decode, "INTERPRET", False)
     q, k, v, w, _ = make_inputs(1, 2, 1, 1, 20, 16, torch.float32, device="cpu")

@@ -300,6 +300,7 @@ def weighted_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     block_r: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
     max_new_tokens: int | None = MAX_NEW_TOKENS,
     check: bool = True,
@@ -312,14 +313,17 @@ def weighted_decode_attention(
     tensor on the inputs' device that the kernel reads (no host sync; static caches). Inputs must already be
     validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
     ``unsupported_reason`` (``check=False`` skips that test: callers that already made it). ``num_splits`` /
-    ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16) override the heuristics
-    (tests, tuning); ``num_stages``: Triton's software pipelining depth. Launch plans and the split partials are
-    cached per shape. Accumulates in fp32; returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``.
+    ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16) / ``num_warps`` (stage 1's:
+    1, 2, 4, 8 or 16) override the heuristics (tests, tuning); ``num_stages``: Triton's software pipelining depth.
+    Launch plans and the split partials are cached per shape. Accumulates in fp32; returns ``[b, h_q, m, d_v]``
+    contiguous in ``values.dtype``.
     """
     if check:
         reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
         if reason is not None:
             raise ValueError(f"weighted attention kernel: {reason}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {num_warps!r}")
     plan = launch_plan(queries, keys, values, causal_offset, num_splits, block_n, block_r, INTERPRET)
     batch, heads_q, m, dim = queries.shape
     heads_kv, d_v = keys.shape[1], values.shape[3]
@@ -337,6 +341,8 @@ def weighted_decode_attention(
         plan, dim, d_v, has_vmin=v_min is not None, has_vmax=v_max is not None, has_mask=key_mask is not None,
         offset_on_device=on_device, num_stages=num_stages,
     )  # fmt: skip
+    if num_warps is not None:
+        split_options["num_warps"] = num_warps
     _weighted_split_kernel[plan.grid](
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,

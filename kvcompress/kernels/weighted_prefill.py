@@ -35,8 +35,8 @@ def weighted_prefill_attention(
 ) -> torch.Tensor:
     """Launcher for any number of new tokens: ``options`` as for
     :func:`kvcompress.kernels.weighted_decode.weighted_decode_attention` (``scaling`` and the optional
-    ``v_min``, ``v_max``, ``causal_offset``, ``key_mask``, ``num_splits``, ``block_n``, ``block_r``), with prefill
-    tiles by default. Returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``."""
+    ``v_min``, ``v_max``, ``causal_offset``, ``key_mask``, ``num_splits``, ``block_n``, ``block_r``,
+    ``num_warps``), with prefill tiles by default. Returns ``[b, h_q, m, d_v]`` contiguous in ``values.dtype``."""
     stages = pipeline_stages(queries.shape[3], values.shape[3], queries.dtype)
     return _launch(queries, keys, values, weights, **{"num_stages": stages, **options, "max_new_tokens": None})
 
