@@ -42,11 +42,12 @@ class CompressKVPress(WeightedSubsetPress):
     (:mod:`kvcompress.reference`), each one's attention mass normalised per head and mixed with weight 1
     (``repeat_weight`` for ``"repeat"``); window scores are average-pooled over ``pool_kernel`` keys; the
     query-free ``"novelty"`` prior reserves ``novelty_share`` of the kept middle rows for the keys least like their
-    head's mean, and the ``"induction"`` prior (prefill queries, no extra forward) ``induction_share`` of them for
-    the keys the token before each one already picks out most sharply (what reading the text again would recall),
-    both before the query sources choose the rest. The default, window + novelty + induction, costs about a SnapKV
-    prefill: the window's queries keep what the text right after the context needs, the two priors keep the facts
-    asked about later (the outlying keys, and the keys the text itself would recall).
+    head's mean (weighted by their value's norm: ``novelty_value_norm``), and the ``"induction"`` prior (prefill
+    queries, no extra forward) ``induction_share`` of them for the keys the token before each one already picks out
+    most sharply (what reading the text again would recall), both before the query sources choose the rest. The
+    default, window + novelty + induction, costs about a SnapKV prefill: the window's queries keep what the text
+    right after the context needs, the two priors keep the facts asked about later (the outlying keys, and the keys
+    the text itself would recall).
     ``repeat_fraction`` < 1: the repeat pass re-reads only that fraction of the context, in pieces of
     ``repeat_span`` tokens (cost in proportion): ``repeat_pieces="spread"`` spreads them evenly, ``"novel"`` takes
     the pieces with the most novel keys (needs ``"novelty"`` in ``reference``), so the second reading goes over
@@ -81,6 +82,7 @@ class CompressKVPress(WeightedSubsetPress):
     query_radius: str = "keys"
     score_pooling: str = "max"
     novelty_share: float = 0.5
+    novelty_value_norm: bool = True
     induction_share: float = 0.25
 
     def __post_init__(self) -> None:
@@ -108,6 +110,8 @@ class CompressKVPress(WeightedSubsetPress):
                 f"repeat_pieces: 'novel' needs 'novelty' and 'repeat' in reference, got reference={self.reference!r}"
             )
         check_number("novelty_share", self.novelty_share, 0, 1)
+        if not isinstance(self.novelty_value_norm, bool):
+            raise ValueError(f"novelty_value_norm: must be True or False, got {self.novelty_value_norm!r}")
         check_number("induction_share", self.induction_share, 0, 1)
         for name, low in (
             ("observation_window", 1),
@@ -186,13 +190,14 @@ class CompressKVPress(WeightedSubsetPress):
             return novel_pieces(novelty, self.repeat_fraction, self.repeat_span, device)
         return spread_pieces(n, self.repeat_fraction, self.repeat_span, device)
 
-    def record_reference(self, module, kwargs, keys) -> LayerReference:
+    def record_reference(self, module, kwargs, keys, values) -> LayerReference:
         if self.selection == "rpnys":
             radius = prefill_query_radius(module, kwargs) if self.query_radius == "queries" else None
             return LayerReference(query_radius=radius)
         return record_prefill(
-            module, kwargs, keys, self.reference, self.observation_window, self.fit_queries, self.score_pooling
-        )
+            module, kwargs, keys, self.reference, self.observation_window, self.fit_queries, self.score_pooling,
+            novelty_values=values if self.novelty_value_norm else None,
+        )  # fmt: skip
 
     def _reserved_rows(self, rows: int) -> dict[str, int]:
         """Middle rows each prior reserves: ``novelty_share`` of them for novelty, then ``induction_share`` of them

@@ -10,8 +10,9 @@ and a few queries for the fit (:mod:`kvcompress.fitting`):
 * ``"accumulated"``: every prefill query, causal: the attention each key accumulated during the prefill
   (H2O, Zhang et al., arXiv 2306.14048), without the eviction along the way.
 * ``"novelty"``: no queries: each key's distance from its head's mean key (KeyDiff, Park et al., arXiv
-  2504.15364; :func:`kvcompress.selection.key_novelty`), a query-free prior that keeps outlying facts. It gives the
-  fit no queries, so it is used beside a query source.
+  2504.15364), weighted by its value's norm where the values are given (VATP, arXiv 2406.12335;
+  :func:`kvcompress.selection.key_novelty`), a query-free prior that keeps outlying facts. It gives the fit no
+  queries, so it is used beside a query source.
 * ``"induction"``: no fit queries either: how sharply the prefill's query of the token before each key already
   picks that key out of the context before it (:func:`kvcompress.selection.induction_score`), what an induction
   head does when the text is read again: the repeat pass's signal, from the prefill's own queries.
@@ -89,12 +90,14 @@ def record_prefill(
     observation_window: int,
     samples: int,
     reduce: str = "sum",
+    novelty_values: torch.Tensor | None = None,
 ) -> LayerReference:
     """The sources of one layer that its prefill call (hook ``kwargs``) gives: all but ``"repeat"``. ``reduce``
-    pools each source's queries (:func:`kvcompress.selection.attention_mass`) and is kept for the repeat pass."""
+    pools each source's queries (:func:`kvcompress.selection.attention_mass`) and is kept for the repeat pass;
+    ``novelty_values``: the layer's values ``[b, h_kv, n, d_v]``, to weight the novelty prior by their norms."""
     reference = LayerReference(reduce=reduce)
     if "novelty" in sources:
-        reference.mass["novelty"] = key_novelty(keys)
+        reference.mass["novelty"] = key_novelty(keys, novelty_values)
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
     n = keys.shape[-2]
     picks = {}

@@ -138,13 +138,19 @@ def attention_mass_torch(
     return total
 
 
-def key_novelty(keys: torch.Tensor) -> torch.Tensor:
+def key_novelty(keys: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
     """How far each key points from its head's mean key: ``1 - cos(k_j, mean_j k_j)`` for keys ``[b, h_kv, n, d]``,
-    ``[b, h_kv, n]`` float32 in [0, 2]. Query-free: a key unlike the others (a fact in a repetitive context) scores
-    high (KeyDiff's score, Park et al., arXiv 2504.15364)."""
+    ``[b, h_kv, n]`` float32 >= 0. Query-free: a key unlike the others (a fact in a repetitive context) scores
+    high (KeyDiff's score, Park et al., arXiv 2504.15364). With ``values [b, h_kv, n, d_v]``: times
+    ``||v_j|| / mean_j ||v_j||`` (VATP, Guo et al., arXiv 2406.12335): a row adds to the output in proportion to its
+    value's norm, so an outlying key whose value is small changes little."""
     keys = keys.float()
     anchor = F.normalize(keys.mean(dim=2, keepdim=True), dim=-1)
-    return 1.0 - (F.normalize(keys, dim=-1) * anchor).sum(-1)
+    novelty = 1.0 - (F.normalize(keys, dim=-1) * anchor).sum(-1)
+    if values is None:
+        return novelty
+    norms = values.float().norm(dim=-1)
+    return novelty * norms / norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def causal_row_lse(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -173,8 +173,11 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         """Reference-query sources this press reads (see :mod:`kvcompress.reference`); none by default."""
         return ()
 
-    def record_reference(self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor) -> LayerReference:
-        """What :meth:`compress_middle` needs from this layer's prefill call (hook ``kwargs``)."""
+    def record_reference(
+        self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor, values: torch.Tensor
+    ) -> LayerReference:
+        """What :meth:`compress_middle` needs from this layer's prefill call (hook ``kwargs``; the context's keys and
+        values ``[b, h_kv, n, d]``)."""
         return LayerReference()
 
     def compress_middle(
@@ -292,10 +295,13 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         finite = torch.stack([torch.isfinite(layer.keys).all(), torch.isfinite(layer.values).all()])
         self._finite.append((module.layer_idx, finite))  # read after the prefill (_check_finite)
         if rows is None:
-            references = [self.record_reference(module, kwargs, layer.keys)]
+            references = [self.record_reference(module, kwargs, layer.keys, layer.values)]
         else:
             references = [
-                self.record_reference(module, row_kwargs(kwargs, b, index), layer.keys[b : b + 1, :, index])
+                self.record_reference(
+                    module, row_kwargs(kwargs, b, index), layer.keys[b : b + 1, :, index],
+                    layer.values[b : b + 1, :, index],
+                )  # fmt: skip
                 for b, index in enumerate(rows)
             ]
         state = dict(module=module, references=references, plans=plans, rows=rows, tokens=n)

@@ -68,8 +68,8 @@ def test_prefill_sources_are_the_mass_of_all_prefill_queries(source, monkeypatch
     )
     record = reference.record_prefill
 
-    def spy(module, kwargs, keys, *args):
-        result = record(module, kwargs, keys, *args)
+    def spy(module, kwargs, keys, *args, **options):
+        result = record(module, kwargs, keys, *args, **options)
         if module is layer:
             seen["keys"], seen["reference"] = keys, result
         return result
@@ -334,6 +334,51 @@ def test_balanced_reads_the_induction_prior_from_the_prefill_before_its_repeat_p
     cache = compressed_cache(model, CompressKVPress.balanced(0.75, repeat_chunk=32), tokens(CONTEXT, 9))
     assert calls == [True, True]
     assert all(layer.keys.shape[2] == int(CONTEXT * 0.25) for layer in cache.layers)
+
+
+def test_value_weighted_novelty_against_its_float64_definition_and_the_outlier_it_drops():
+    from kvcompress.selection import key_novelty
+
+    generator = torch.Generator().manual_seed(8)
+    keys = torch.randn(2, 3, 50, 16, generator=generator) + 2.0
+    values = torch.randn(2, 3, 50, 12, generator=generator)
+    got = key_novelty(keys, values)
+    k, v = keys.double(), values.double()
+    mean = k.mean(2, keepdim=True)
+    cosine = (k * mean).sum(-1) / (k.norm(dim=-1) * mean.norm(dim=-1))
+    norms = v.norm(dim=-1)
+    want = (1 - cosine) * norms / norms.mean(-1, keepdim=True)
+    # float32 normalisation, 16- and 12-term sums, a 50-term mean: a few float32 ulps of values below ~10.
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    outlier = keys.clone()
+    outlier[:, :, 17] = -outlier[:, :, 17]  # the most novel key of every head ...
+    assert (key_novelty(outlier, values).argmax(-1) == 17).all()
+    faint = values.clone()
+    faint[:, :, 17] *= 1e-3  # ... whose value is too small to change the output: no longer first anywhere
+    assert (key_novelty(outlier, faint).argmax(-1) != 17).all()
+
+
+@pytest.mark.parametrize("value_norm", [True, False])
+def test_the_press_weights_novelty_by_the_layers_values_unless_told_not_to(value_norm, monkeypatch):
+    """Each layer's novelty prior reads that layer's own prefill keys and values (values only with
+    ``novelty_value_norm``); a padded batch's rows read their own real tokens' values."""
+    from kvcompress.selection import key_novelty
+
+    seen = []
+
+    def spy(keys, values=None):
+        seen.append((keys.shape, None if values is None else values.shape))
+        return key_novelty(keys, values)
+
+    monkeypatch.setattr(reference, "key_novelty", spy)
+    model = tiny_model("llama", num_hidden_layers=2)
+    press = CompressKVPress(compression_ratio=0.75, novelty_value_norm=value_norm)
+    compressed_cache(model, press, tokens(CONTEXT, 9))
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    expected = (1, heads, CONTEXT, dim)
+    assert seen == [(expected, expected if value_norm else None)] * 2
+    with pytest.raises(ValueError, match="novelty_value_norm: must be True or False"):
+        CompressKVPress(novelty_value_norm="yes")
 
 
 def test_novelty_reserves_its_share_of_the_rows_and_the_query_mass_chooses_the_rest():
