@@ -191,13 +191,16 @@ class CompressKVPress(WeightedSubsetPress):
             return novel_pieces(novelty, self.repeat_fraction, self.repeat_span, device)
         return spread_pieces(n, self.repeat_fraction, self.repeat_span, device)
 
+    def reads_values(self) -> bool:
+        return self.novelty_value_norm and "novelty" in self.reference and self.selection != "rpnys"
+
     def record_reference(self, module, kwargs, keys, values) -> LayerReference:
         if self.selection == "rpnys":
             radius = prefill_query_radius(module, kwargs) if self.query_radius == "queries" else None
             return LayerReference(query_radius=radius)
         return record_prefill(
             module, kwargs, keys, self.reference, self.observation_window, self.fit_queries, self.score_pooling,
-            novelty_values=values if self.novelty_value_norm else None,
+            novelty_values=values,
         )  # fmt: skip
 
     def _reserved_rows(self, rows: int) -> dict[str, int]:

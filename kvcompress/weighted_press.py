@@ -173,11 +173,16 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         """Reference-query sources this press reads (see :mod:`kvcompress.reference`); none by default."""
         return ()
 
+    def reads_values(self) -> bool:
+        """Whether :meth:`record_reference` reads the context's values (else it is handed None: a padded batch's
+        rows then copy no values)."""
+        return False
+
     def record_reference(
-        self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor, values: torch.Tensor
+        self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor, values: torch.Tensor | None
     ) -> LayerReference:
         """What :meth:`compress_middle` needs from this layer's prefill call (hook ``kwargs``; the context's keys and
-        values ``[b, h_kv, n, d]``)."""
+        values ``[b, h_kv, n, d]``, values None unless :meth:`reads_values`)."""
         return LayerReference()
 
     def compress_middle(
@@ -294,13 +299,14 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
             return output
         finite = torch.stack([torch.isfinite(layer.keys).all(), torch.isfinite(layer.values).all()])
         self._finite.append((module.layer_idx, finite))  # read after the prefill (_check_finite)
+        wanted = self.reads_values()
         if rows is None:
-            references = [self.record_reference(module, kwargs, layer.keys, layer.values)]
+            references = [self.record_reference(module, kwargs, layer.keys, layer.values if wanted else None)]
         else:
             references = [
                 self.record_reference(
                     module, row_kwargs(kwargs, b, index), layer.keys[b : b + 1, :, index],
-                    layer.values[b : b + 1, :, index],
+                    layer.values[b : b + 1, :, index] if wanted else None,
                 )  # fmt: skip
                 for b, index in enumerate(rows)
             ]
