@@ -27,6 +27,7 @@ Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU tensors
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -270,12 +271,14 @@ def unsupported_reason(
     return None
 
 
+@functools.lru_cache(maxsize=256)  # per plan and flags, as the plans are: a decode step builds no dicts
 def kernel_options(
     plan: LaunchPlan, dim: int, d_v: int, *, has_vmin: bool, has_vmax: bool, has_mask: bool,
     offset_on_device: bool, num_stages: int,
 ) -> tuple[dict, dict]:  # fmt: skip
     """The constexprs and launch options of stage 1 and stage 2 (used when ``plan.num_splits > 1``) for a launch
-    ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one."""
+    ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one. Cached:
+    never mutate the returned dicts."""
     clips = dict(HAS_VMIN=has_vmin, HAS_VMAX=has_vmax)
     split = dict(
         D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
@@ -342,7 +345,7 @@ def weighted_decode_attention(
         offset_on_device=on_device, num_stages=num_stages,
     )  # fmt: skip
     if num_warps is not None:
-        split_options["num_warps"] = num_warps
+        split_options = {**split_options, "num_warps": num_warps}
     _weighted_split_kernel[plan.grid](
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
