@@ -101,7 +101,9 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
 
     After compression each head holds exactly ``int(n * (1 - compression_ratio))`` rows of an n-token
     context, protected tokens included. When that budget cannot hold ``sink_size + window_size`` protected
-    tokens plus a middle, both shrink in proportion to half the budget and the middle gets the other half.
+    tokens plus a middle, both shrink in proportion to half the budget (the sink rounded up, so a press with a
+    sink keeps the first token, the attention sink, whenever it keeps any protected row) and the middle gets the
+    other half.
     A context that needs no removal, or whose budget is 0, is left untouched. Subclasses implement
     :meth:`compress_middle`, and :meth:`record_reference` / :meth:`reference_sources` when they need
     reference queries (the repeat pass's hooks: :class:`kvcompress.repeat_hooks.RepeatPassHooks`).
@@ -162,7 +164,10 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         sink, window = self.sink_size, self.window_size
         if sink + window >= budget:  # short context: protected tokens shrink to half the budget
             protected = budget // 2
-            sink = protected * sink // (sink + window)
+            # Rounded up: without its first token (the attention sink; StreamingLLM, arXiv 2309.17453) a short
+            # prompt's attention lands on whatever the middle kept, and a prior that drops small-value rows
+            # (novelty_value_norm) makes the answers degenerate.
+            sink = -(-protected * sink // (sink + window))
             window = protected - sink
         return RowPlan(n, sink, window, budget - sink - window)
 

@@ -11,6 +11,7 @@ from transformers import AttentionInterface, DynamicCache, GPT2Config, GPT2LMHea
 from kvcompress import CompressKVPress, UniformPress, weighted_attention
 from kvcompress.cache import WeightedLayer
 from kvcompress.hf_attention import ATTENTION_NAME, kvcompress_attention
+from kvcompress.weighted_press import RowPlan
 from tests.tiny_models import FAMILIES, tiny_model
 
 CONTEXT, QUESTION = 300, 6
@@ -51,6 +52,17 @@ def test_full_budget_is_identical_to_no_press(family):
         assert compressed_layers(model, cache) and all(
             cache.get_seq_length(i) == 40 for i in compressed_layers(model, cache)
         )
+
+
+def test_short_context_keeps_the_first_token():
+    """A budget too small for the protected tokens splits half of it between sink and window in proportion, the
+    sink rounded up: a one-line chat prompt keeps its first token (the attention sink) whenever the press has one."""
+    press = CompressKVPress(compression_ratio=0.75)  # sink 4, window 64
+    assert press.plan(35) == RowPlan(35, 1, 3, 4)  # budget 8: floor would give the sink 0 rows
+    assert press.plan(200) == RowPlan(200, 2, 23, 25)
+    assert press.plan(400) == RowPlan(400, 4, 64, 32)  # the budget holds them: unchanged
+    assert CompressKVPress(compression_ratio=0.75, sink_size=0).plan(35) == RowPlan(35, 0, 4, 4)
+    assert CompressKVPress(compression_ratio=0.75, window_size=0).plan(16) == RowPlan(16, 2, 0, 2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
