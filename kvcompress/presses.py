@@ -42,8 +42,7 @@ class CompressKVPress(WeightedSubsetPress):
     (:mod:`kvcompress.reference`), each one's attention mass normalised per head and mixed with weight 1
     (``repeat_weight`` for ``"repeat"``); window scores are average-pooled over ``pool_kernel`` keys; the
     query-free ``"novelty"`` prior reserves ``novelty_share`` of the kept middle rows for the keys least like their
-    head's mean (``novelty_value_norm=True``: weighted by their value's norm; off by default, it breaks short chat
-    prompts), and the ``"induction"`` prior (prefill
+    head's mean (weighted by their value's norm: ``novelty_value_norm``), and the ``"induction"`` prior (prefill
     queries, no extra forward) ``induction_share`` of them for the keys the token before each one already picks out
     most sharply (what reading the text again would recall), both before the query sources choose the rest. The
     default, window + novelty + induction, costs about a SnapKV prefill: the window's queries keep what the text
@@ -83,7 +82,7 @@ class CompressKVPress(WeightedSubsetPress):
     query_radius: str = "keys"
     score_pooling: str = "max"
     novelty_share: float = 0.5
-    novelty_value_norm: bool = False
+    novelty_value_norm: bool = True
     induction_share: float = 0.25
 
     def __post_init__(self) -> None:
