@@ -76,6 +76,12 @@ def continuation_logprobs(model, cache, context_len: int, continuation: torch.Te
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def continuation_kl(exact: torch.Tensor, approx: torch.Tensor) -> float:
+    """Mean over the continuation's tokens of ``KL(exact || approx)`` for log-probs ``[c, vocab]`` (e.g. the full
+    cache's and a press's :func:`continuation_logprobs`)."""
+    return torch.sum(exact.exp() * (exact - approx), dim=-1).mean().item()
+
+
 @torch.no_grad()
 def answer_questions(pipe, cache, ctx: Context, max_new_tokens: int) -> list[str]:
     """Each question of ``ctx`` answered on ``cache`` exactly as ``KVPressTextGenerationPipeline._forward`` does
@@ -184,7 +190,7 @@ def measure(pipe, press, ctx: Context, ref: Reference, kept: float, max_new_toke
     held = cache_bytes(cache)
     errors = layer_errors(model, ref.cache, cache, ref.queries, masked)
     logp = continuation_logprobs(model, copy.deepcopy(cache), ctx.ids.shape[1], ctx.continuation)
-    kl = torch.sum(ref.logp.exp() * (ref.logp - logp), dim=-1).mean().item()
+    kl = continuation_kl(ref.logp, logp)
     top1 = (logp.argmax(-1) == ref.logp.argmax(-1)).float().mean().item()
     answers = answer_questions(pipe, cache, ctx, max_new_tokens)
     everything = kept < 1 and held >= MASKED_FRACTION * ref.full_bytes
