@@ -2,10 +2,12 @@
 95% paired bootstrap interval (contexts resampled within each task, both settings the same draw).
 
     python -m eval.ruler_paired RUN_A METHOD_A RUN_B METHOD_B
+    python -m eval.ruler_paired RUN_A_SEED0,RUN_A_SEED1 METHOD_A RUN_B_SEED0,RUN_B_SEED1 METHOD_B   # pooled
 
 A run is a ``kvcompress eval --benchmark ruler`` output directory; its ``run.json`` says how its contexts were made
 (model, length, seed, tasks), and contexts are paired by their key (which hashes the context), so runs of
-different ``--limit`` pair on the contexts both have.
+different ``--limit`` pair on the contexts both have. Comma-separated runs of one setting (e.g. one per ``--seed``)
+are pooled: their contexts join each task's sample, and the interval resamples the pooled contexts.
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ def example_scores(run_dir: str, method: str) -> dict[str, dict[str, float]]:
     return scores
 
 
+def pooled_scores(run_dirs: list[str], method: str) -> dict[str, dict[str, float]]:
+    """:func:`example_scores` of several runs of one setting, each task's contexts joined; a context scored by two
+    of the runs (the same seed twice) is an error, not a double count."""
+    pooled: dict[str, dict[str, float]] = {}
+    for run_dir in run_dirs:
+        for task, scores in example_scores(run_dir, method).items():
+            twice = sorted(set(pooled.get(task, {})) & set(scores))
+            if twice:
+                raise ValueError(
+                    f"runs: {run_dir} scores {len(twice)} {task} context(s) an earlier run scored, e.g. {twice[0]}"
+                )
+            pooled.setdefault(task, {}).update(scores)
+    return pooled
+
+
 def compare(first: dict[str, dict[str, float]], second: dict[str, dict[str, float]]) -> dict:
     """The paired difference over the tasks and contexts both runs scored."""
     tasks = sorted(set(first) & set(second))
@@ -56,13 +73,14 @@ def compare(first: dict[str, dict[str, float]], second: dict[str, dict[str, floa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.ruler_paired", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_a", help="first run directory")
+    p.add_argument("run_a", help="first run directory (or several of one setting, comma-separated, pooled)")
     p.add_argument("method_a", help="its method (registry name, as in its predictions/)")
-    p.add_argument("run_b", help="second run directory")
+    p.add_argument("run_b", help="second run directory (or several, comma-separated)")
     p.add_argument("method_b", help="its method")
     args = p.parse_args(argv)
     try:
-        result = compare(example_scores(args.run_a, args.method_a), example_scores(args.run_b, args.method_b))
+        first = pooled_scores(args.run_a.split(","), args.method_a)
+        result = compare(first, pooled_scores(args.run_b.split(","), args.method_b))
     except (ValueError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
     contexts = ", ".join(f"{task} {n}" for task, n in result["contexts"].items())

@@ -68,3 +68,38 @@ def test_two_runs_pair_on_their_shared_contexts(tmp_path, monkeypatch):
     assert result["first"] == 100 and result["second"] == 0 and result["low"] == result["high"] == 100
     with pytest.raises(ValueError, match="no predictions of 'exact'"):
         ruler_paired.example_scores(str(tmp_path / "snapkv"), "exact")
+
+
+def test_runs_of_several_seeds_pool_per_task(tmp_path, monkeypatch):
+    class Example:
+        def __init__(self, key, expected):
+            self.key, self.expected = key, expected
+
+    def load_task(task, cfg):  # each seed makes its own contexts, as the RULER-style generator does
+        return [Example(f"{task}-{cfg.seed}-{i}", [[str(100 * cfg.seed + i)]]) for i in range(3)]
+
+    monkeypatch.setattr(ruler_paired, "load_task", load_task)
+    monkeypatch.setattr(ruler_paired, "select", lambda examples, cfg: examples[: cfg.limit])
+
+    def write_run(name, method, seed, right):
+        run = tmp_path / name
+        (run / "predictions" / method).mkdir(parents=True)
+        settings = dict(length=1024, seed=seed, tasks=["niah_single"], model=None, limit=3)
+        (run / "run.json").write_text(json.dumps({"settings": settings}))
+        rows = [
+            json.dumps({"key": f"niah_single-{seed}-{i}", "prediction": [f" {100 * seed + i if i < right else 7}."]})
+            for i in range(3)
+        ]
+        (run / "predictions" / method / "niah_single.jsonl").write_text("\n".join(rows) + "\n")
+        return str(run)
+
+    a = [write_run("a0", "compresskv", 0, right=3), write_run("a1", "compresskv", 1, right=1)]
+    b = [write_run("b0", "snapkv", 0, right=0), write_run("b1", "snapkv", 1, right=1)]
+    pooled = ruler_paired.pooled_scores(a, "compresskv")
+    assert pooled == {"niah_single": {"niah_single-0-0": 100, "niah_single-0-1": 100, "niah_single-0-2": 100,
+                                      "niah_single-1-0": 100, "niah_single-1-1": 0, "niah_single-1-2": 0}}
+    result = ruler_paired.compare(pooled, ruler_paired.pooled_scores(b, "snapkv"))
+    assert result["contexts"] == {"niah_single": 6}
+    assert result["first"] == pytest.approx(400 / 6) and result["second"] == pytest.approx(100 / 6)
+    with pytest.raises(ValueError, match="runs: .*a0 scores 3 niah_single context"):
+        ruler_paired.pooled_scores([a[0], a[0]], "compresskv")
