@@ -17,8 +17,8 @@ K, SIDE = int(os.environ.get("NOVPOOL", "1")), os.environ.get("NOVSIDE", "both")
 orig = ref.key_novelty
 
 
-def pooled_novelty(keys):
-    novelty = orig(keys)
+def pooled_novelty(keys, values=None):
+    novelty = orig(keys, values)
     if K <= 1:
         return novelty
     shape = novelty.shape
