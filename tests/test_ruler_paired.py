@@ -70,7 +70,7 @@ def test_two_runs_pair_on_their_shared_contexts(tmp_path, monkeypatch):
         ruler_paired.example_scores(str(tmp_path / "snapkv"), "exact")
 
 
-def test_runs_of_several_seeds_pool_per_task(tmp_path, monkeypatch):
+def test_runs_of_several_seeds_pool_per_task(tmp_path, monkeypatch, capsys):
     class Example:
         def __init__(self, key, expected):
             self.key, self.expected = key, expected
@@ -103,3 +103,6 @@ def test_runs_of_several_seeds_pool_per_task(tmp_path, monkeypatch):
     assert result["first"] == pytest.approx(400 / 6) and result["second"] == pytest.approx(100 / 6)
     with pytest.raises(ValueError, match="runs: .*a0 scores 3 niah_single context"):
         ruler_paired.pooled_scores([a[0], a[0]], "compresskv")
+    assert ruler_paired.main([",".join(a), "compresskv", ",".join(b), "snapkv"]) == 0  # the CLI's comma-separated runs
+    printed = capsys.readouterr().out
+    assert "66.67 - snapkv" in printed and "16.67 = +50.00" in printed and "contexts: niah_single 6" in printed
