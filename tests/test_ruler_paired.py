@@ -36,65 +36,54 @@ def test_paired_difference_against_its_definition():
         paired_difference({"a": [1.0, 2.0]}, {"a": [1.0]})
 
 
-def test_two_runs_pair_on_their_shared_contexts(tmp_path, monkeypatch):
-    class Example:
-        def __init__(self, key, expected):
-            self.key, self.expected = key, expected
+class Example:
+    def __init__(self, key, expected):
+        self.key, self.expected = key, expected
 
+
+def write_run(run, method: str, seed: int, limit: int, contexts: dict[str, list[Example]], right: int) -> str:
+    """A run directory as `kvcompress eval --benchmark ruler` writes it: the first ``right`` of each task's first
+    ``limit`` contexts answered with their expected string, the others wrongly."""
+    (run / "predictions" / method).mkdir(parents=True)
+    settings = dict(length=1024, seed=seed, tasks=list(contexts), model=None, limit=limit)
+    (run / "run.json").write_text(json.dumps({"settings": settings}))
+    for task, examples in contexts.items():
+        rows = []
+        for i, example in enumerate(examples[:limit]):
+            answer = example.expected[0][0] if i < right else "no idea"
+            rows.append(json.dumps({"key": example.key, "prediction": [f" {answer}."]}))
+        (run / "predictions" / method / f"{task}.jsonl").write_text("\n".join(rows) + "\n")
+    return str(run)
+
+
+def test_two_runs_pair_on_their_shared_contexts(tmp_path, monkeypatch):
     contexts = {"niah_single": [Example(f"s{i}", [[str(1000 + i)]]) for i in range(4)]}
     contexts["qa"] = [Example(f"q{i}", [["paris", "Paris, France"]]) for i in range(4)]
     monkeypatch.setattr(ruler_paired, "load_task", lambda task, cfg: contexts[task])
     monkeypatch.setattr(ruler_paired, "select", lambda examples, cfg: examples[: cfg.limit])
 
-    def write_run(name, limit, right):
-        run = tmp_path / name
-        (run / "predictions" / name).mkdir(parents=True)
-        settings = dict(length=1024, seed=0, tasks=["niah_single", "qa"], model=None, limit=limit)
-        (run / "run.json").write_text(json.dumps({"settings": settings}))
-        for task, examples in contexts.items():
-            rows = []
-            for i, example in enumerate(examples[:limit]):
-                answer = example.expected[0][0] if i < right else "no idea"
-                rows.append(json.dumps({"key": example.key, "prediction": [f" {answer}."]}))
-            (run / "predictions" / name / f"{task}.jsonl").write_text("\n".join(rows) + "\n")
-        return str(run)
-
-    a = ruler_paired.example_scores(write_run("compresskv", 4, right=3), "compresskv")
-    b = ruler_paired.example_scores(write_run("snapkv", 2, right=0), "snapkv")
+    a = ruler_paired.example_scores(write_run(tmp_path / "a", "compresskv", 0, 4, contexts, right=3), "compresskv")
+    b = ruler_paired.example_scores(write_run(tmp_path / "b", "snapkv", 0, 2, contexts, right=0), "snapkv")
     assert a["niah_single"] == {"s0": 100, "s1": 100, "s2": 100, "s3": 0}
     assert a["qa"] == {"q0": 100, "q1": 100, "q2": 100, "q3": 0}
     result = ruler_paired.compare(a, b)  # only the 2 contexts per task both runs have
     assert result["contexts"] == {"niah_single": 2, "qa": 2}
     assert result["first"] == 100 and result["second"] == 0 and result["low"] == result["high"] == 100
     with pytest.raises(ValueError, match="no predictions of 'exact'"):
-        ruler_paired.example_scores(str(tmp_path / "snapkv"), "exact")
+        ruler_paired.example_scores(str(tmp_path / "b"), "exact")
 
 
 def test_runs_of_several_seeds_pool_per_task(tmp_path, monkeypatch, capsys):
-    class Example:
-        def __init__(self, key, expected):
-            self.key, self.expected = key, expected
+    def contexts(seed):  # each seed makes its own contexts, as the RULER-style generator does
+        return {"niah_single": [Example(f"niah_single-{seed}-{i}", [[str(100 * seed + i)]]) for i in range(3)]}
 
-    def load_task(task, cfg):  # each seed makes its own contexts, as the RULER-style generator does
-        return [Example(f"{task}-{cfg.seed}-{i}", [[str(100 * cfg.seed + i)]]) for i in range(3)]
-
-    monkeypatch.setattr(ruler_paired, "load_task", load_task)
+    monkeypatch.setattr(ruler_paired, "load_task", lambda task, cfg: contexts(cfg.seed)[task])
     monkeypatch.setattr(ruler_paired, "select", lambda examples, cfg: examples[: cfg.limit])
 
-    def write_run(name, method, seed, right):
-        run = tmp_path / name
-        (run / "predictions" / method).mkdir(parents=True)
-        settings = dict(length=1024, seed=seed, tasks=["niah_single"], model=None, limit=3)
-        (run / "run.json").write_text(json.dumps({"settings": settings}))
-        rows = [
-            json.dumps({"key": f"niah_single-{seed}-{i}", "prediction": [f" {100 * seed + i if i < right else 7}."]})
-            for i in range(3)
-        ]
-        (run / "predictions" / method / "niah_single.jsonl").write_text("\n".join(rows) + "\n")
-        return str(run)
-
-    a = [write_run("a0", "compresskv", 0, right=3), write_run("a1", "compresskv", 1, right=1)]
-    b = [write_run("b0", "snapkv", 0, right=0), write_run("b1", "snapkv", 1, right=1)]
+    a = [write_run(tmp_path / "a0", "compresskv", 0, 3, contexts(0), right=3),
+         write_run(tmp_path / "a1", "compresskv", 1, 3, contexts(1), right=1)]
+    b = [write_run(tmp_path / "b0", "snapkv", 0, 3, contexts(0), right=0),
+         write_run(tmp_path / "b1", "snapkv", 1, 3, contexts(1), right=1)]
     pooled = ruler_paired.pooled_scores(a, "compresskv")
     assert pooled == {"niah_single": {"niah_single-0-0": 100, "niah_single-0-1": 100, "niah_single-0-2": 100,
                                       "niah_single-1-0": 100, "niah_single-1-1": 0, "niah_single-1-2": 0}}
