@@ -9,8 +9,9 @@ the middle rows for facts asked later, and the window's queries are the only one
 import os
 import sys
 
+from _pilot import run
+
 import kvcompress.presses as pr
-from kvcompress.cli import main as cli_main
 from kvcompress.reference import even_sample, post_rope_queries
 
 FITPRE = int(os.environ.get("FITPRE", "128"))
@@ -32,8 +33,4 @@ def patched_record_reference(self, module, kwargs, keys, values):
 
 pr.CompressKVPress.record_reference = patched_record_reference
 
-if sys.argv[1] == "fidelity":
-    sys.path.insert(0, ".")  # run from the repository root
-    from eval.fidelity import main as fid
-    sys.exit(fid(sys.argv[2:]))
-sys.exit(cli_main(sys.argv[1:]))
+sys.exit(run(sys.argv[1:]))

@@ -15,10 +15,10 @@ import sys
 from contextlib import contextmanager
 
 import torch
+from _pilot import run
 
 import kvcompress.methods as methods
 import kvcompress.presses as pr
-from kvcompress.cli import main as cli_main
 
 SHARES = {"surprisal": float(os.environ.get("SSUR", "0.25")), "novelty": float(os.environ.get("SNOV", "0.5")),
           "induction": float(os.environ.get("SIND", "0.0"))}
@@ -81,8 +81,4 @@ Press.forward_hook = patched_forward_hook
 Press.record_reference = patched_record_reference
 Press._reserved_rows = patched_reserved_rows
 
-if sys.argv[1] == "fidelity":
-    sys.path.insert(0, ".")  # run from the repository root
-    from eval.fidelity import main as fid
-    sys.exit(fid(sys.argv[2:]))
-sys.exit(cli_main(sys.argv[1:]))
+sys.exit(run(sys.argv[1:]))

@@ -13,9 +13,9 @@ import os
 import sys
 
 import torch
+from _pilot import run, take_top
 
 import kvcompress.presses as pr
-from kvcompress.cli import main as cli_main
 from kvcompress.reference import PRIORS
 from kvcompress.selection import normalise, pool_scores
 
@@ -28,16 +28,6 @@ reserved_rows = pr.CompressKVPress._reserved_rows
 def patched_reserved_rows(self, rows):
     return {**reserved_rows(self, rows), "_rows": rows}
 
-
-def take_top(scores, chosen, counts):
-    """Mark each head's ``counts [b, h]`` highest ``scores`` not yet ``chosen`` (in place)."""
-    width = int(counts.max())
-    if width <= 0:
-        return
-    order = torch.sort(scores.masked_fill(chosen, -torch.inf), dim=-1, descending=True, stable=True).indices
-    order = order[..., :width]
-    keep = torch.arange(width, device=scores.device) < counts[..., None]
-    chosen.scatter_(-1, order, keep | chosen.gather(-1, order))
 
 
 def patched_mixed_scores(reference, start, end, weights, pool, reserved=None):
@@ -71,8 +61,4 @@ def patched_mixed_scores(reference, start, end, weights, pool, reserved=None):
 pr.CompressKVPress._reserved_rows = patched_reserved_rows
 pr.mixed_scores = patched_mixed_scores
 
-if sys.argv[1] == "fidelity":
-    sys.path.insert(0, ".")  # run from the repository root
-    from eval.fidelity import main as fid
-    sys.exit(fid(sys.argv[2:]))
-sys.exit(cli_main(sys.argv[1:]))
+sys.exit(run(sys.argv[1:]))

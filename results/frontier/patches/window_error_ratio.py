@@ -12,9 +12,9 @@ import os
 import sys
 
 import torch
+from _pilot import run
 
 import kvcompress.presses as pr
-from kvcompress.cli import main as cli_main
 from kvcompress.reference import post_rope_queries
 from kvcompress.selection import normalise, pool_scores, top_rows
 
@@ -70,8 +70,4 @@ def patched_compress_middle(self, module, keys, values, start, end, rows, refere
 Press.record_reference = patched_record_reference
 Press.compress_middle = patched_compress_middle
 
-if sys.argv[1] == "fidelity":
-    sys.path.insert(0, ".")  # run from the repository root
-    from eval.fidelity import main as fid
-    sys.exit(fid(sys.argv[2:]))
-sys.exit(cli_main(sys.argv[1:]))
+sys.exit(run(sys.argv[1:]))

@@ -12,9 +12,9 @@ import os
 import sys
 
 import torch
+from _pilot import run, take_top
 
 import kvcompress.presses as pr
-from kvcompress.cli import main as cli_main
 from kvcompress.reference import PRIORS, post_rope_queries
 from kvcompress.selection import attention_mass, normalise, pool_scores
 
@@ -44,16 +44,6 @@ def patched_record_reference(self, module, kwargs, keys, values):
     return reference
 
 
-def take_top(scores, chosen, counts):
-    """Mark each head's ``counts [b, h]`` highest ``scores`` not yet ``chosen`` (in place)."""
-    width = int(counts.max())
-    if width <= 0:
-        return
-    order = torch.sort(scores.masked_fill(chosen, -torch.inf), dim=-1, descending=True, stable=True).indices
-    order = order[..., :width]
-    keep = torch.arange(width, device=scores.device) < counts[..., None]
-    chosen.scatter_(-1, order, keep | chosen.gather(-1, order))
-
 
 def patched_compress_middle(self, module, keys, values, start, end, rows, reference):
     share = getattr(reference, "middle_share", None)
@@ -81,8 +71,4 @@ compress_middle = Press.compress_middle
 Press.record_reference = patched_record_reference
 Press.compress_middle = patched_compress_middle
 
-if sys.argv[1] == "fidelity":
-    sys.path.insert(0, ".")  # run from the repository root
-    from eval.fidelity import main as fid
-    sys.exit(fid(sys.argv[2:]))
-sys.exit(cli_main(sys.argv[1:]))
+sys.exit(run(sys.argv[1:]))
