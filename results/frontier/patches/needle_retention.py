@@ -21,6 +21,7 @@ from kvcompress.selection import top_rows
 PRESSES = {
     "default": pr.CompressKVPress(compression_ratio=0.75),
     "kvzip": pr.CompressKVPress.kvzip(compression_ratio=0.75),
+    "balanced": pr.CompressKVPress.balanced(compression_ratio=0.75),
     "window only": pr.CompressKVPress(compression_ratio=0.75, reference=("window",)),
 }
 kept: dict[int, torch.Tensor] = {}
