@@ -51,7 +51,8 @@ def main(count: int, tasks: list[str]) -> None:
                 kept.clear()
                 with torch.no_grad(), press(model):
                     model.model(input_ids=ids, past_key_values=DynamicCache())
-                keeps[name] = torch.stack([kept[layer] for layer in sorted(kept)])  # [L, h_kv, rows]
+                rows = torch.stack([kept[layer] for layer in sorted(kept)])  # [L, h_kv, rows]
+                keeps[name] = torch.zeros(*rows.shape[:2], n, dtype=torch.bool).scatter_(-1, rows, True)  # [L, h_kv, n]
             for question, answers in zip(example.questions, example.answers, strict=True):
                 asked = tokenizer(
                     " " + question + " Answer: The special magic number", add_special_tokens=False, return_tensors="pt"
@@ -73,15 +74,12 @@ def main(count: int, tasks: list[str]) -> None:
                 parts = {"key": sorted(key), "digits": sorted(digits), "rest": sorted(set(needle) - key - digits)}
                 mass = last.reshape(layers, heads_kv, heads_q // heads_kv, n).sum(2)[:, :, needle].sum(-1)  # [L, h_kv]
                 line = []
-                for name, rows in keeps.items():
-                    share = torch.stack([(rows == p).any(-1).float() for p in needle], -1).mean(-1)  # [L, h_kv]
-                    totals[name][0] += float((mass * share).sum())
+                for name, kept_at in keeps.items():
+                    weighted = float((mass * kept_at[:, :, needle].float().mean(-1)).sum())
+                    totals[name][0] += weighted
                     totals[name][1] += float(mass.sum())
-                    plain = " / ".join(
-                        f"{float(torch.stack([(rows == p).any(-1).float() for p in part]).mean()):.2f}"
-                        for part in parts.values()
-                    )
-                    line.append(f"{name} {float((mass * share).sum() / mass.sum()):.2f} ({plain})")
+                    plain = " / ".join(f"{float(kept_at[:, :, part].float().mean()):.2f}" for part in parts.values())
+                    line.append(f"{name} {weighted / float(mass.sum()):.2f} ({plain})")
                 print(task, index, " ".join(line), flush=True)
     print("retrieval-weighted needle rows kept:", {name: round(a / b, 3) for name, (a, b) in totals.items()})
 

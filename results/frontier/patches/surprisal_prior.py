@@ -47,9 +47,6 @@ def patched_before_forward(self, decoder, args, kwargs):
             logits = self.__dict__["_lm"](input_ids=ids, use_cache=False).logits.float()
         picked = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         self.__dict__["_surprisal"] = torch.cat([torch.zeros_like(picked[:, :1]), -picked], dim=1)  # [b, n]
-        if os.environ.get("SDEBUG"):
-            top = self.__dict__["_surprisal"][0].topk(min(60, ids.shape[1])).indices.sort().values
-            print("SDEBUG", ids.shape[1], [int(ids[0, t]) for t in top], file=sys.stderr)
     finally:
         self.__dict__["_busy"] = False
 

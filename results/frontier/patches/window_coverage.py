@@ -13,34 +13,16 @@ import os
 import sys
 
 import torch
-from _pilot import run, take_top
+from _pilot import run, split_by_window
 
-import kvcompress.presses as pr
-from kvcompress.reference import PRIORS
-from kvcompress.selection import normalise, pool_scores
+from kvcompress.selection import normalise
 
 COVER = float(os.environ.get("COVER", "0.5"))
 MAXWIN = float(os.environ.get("MAXWIN", "1.0"))
 DIAG = os.environ.get("DIAG")
-reserved_rows = pr.CompressKVPress._reserved_rows
 
 
-def patched_reserved_rows(self, rows):
-    return {**reserved_rows(self, rows), "_rows": rows}
-
-
-
-def patched_mixed_scores(reference, start, end, weights, pool, reserved=None):
-    reserved = dict(reserved or {})
-    rows = reserved.pop("_rows")
-    total = None
-    for source, mass in reference.mass.items():
-        if source in PRIORS:
-            continue
-        part = normalise(pool_scores(mass[:, :, start:end], pool.get(source, 1))) * weights.get(source, 1.0)
-        total = part if total is None else total + part
-    novelty, induction = reserved.get("novelty", 0), reserved.get("induction", 0)
-    base = rows - novelty - induction
+def covering_rows(total, reference, start, end, rows, base):
     cumulative = torch.sort(normalise(total), dim=-1, descending=True).values.cumsum(-1)
     needed = (cumulative < COVER).sum(-1) + 1
     window = needed.clamp(min=base, max=max(base, round(MAXWIN * rows)))
@@ -48,17 +30,9 @@ def patched_mixed_scores(reference, start, end, weights, pool, reserved=None):
         with open(DIAG, "a") as f:
             shares = [((cumulative < c).sum(-1) + 1).float().mean().item() / rows for c in (0.5, 0.8, 0.9)]
             f.write(f"{window.float().mean().item() / rows:.3f} " + " ".join(f"{x:.3f}" for x in shares) + "\n")
-    chosen = torch.zeros_like(total, dtype=torch.bool)
-    take_top(total, chosen, window)
-    left = rows - window
-    novelty_rows = torch.round(left * (novelty / max(novelty + induction, 1))).long()
-    for source, counts in (("novelty", novelty_rows), ("induction", left - novelty_rows)):
-        if source in reference.mass:
-            take_top(reference.mass[source][:, :, start:end], chosen, counts)
-    return torch.where(chosen, total + (1.0 + total.amax(-1, keepdim=True)), total)
+    return window
 
 
-pr.CompressKVPress._reserved_rows = patched_reserved_rows
-pr.mixed_scores = patched_mixed_scores
+split_by_window(covering_rows)
 
 sys.exit(run(sys.argv[1:]))

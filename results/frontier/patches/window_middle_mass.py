@@ -12,17 +12,15 @@ import os
 import sys
 
 import torch
-from _pilot import run, take_top
+from _pilot import run, split_by_window, window_queries
 
 import kvcompress.presses as pr
-from kvcompress.reference import PRIORS, post_rope_queries
-from kvcompress.selection import attention_mass, normalise, pool_scores
+from kvcompress.selection import attention_mass
 
 SCALE = float(os.environ.get("SCALE", "1.0"))
 MAXWIN = float(os.environ.get("MAXWIN", "0.75"))
 DIAG = os.environ.get("DIAG")
-Press = pr.CompressKVPress
-record_reference, reserved_rows = Press.record_reference, Press._reserved_rows
+record_reference = pr.CompressKVPress.record_reference
 
 
 def patched_record_reference(self, module, kwargs, keys, values):
@@ -32,9 +30,7 @@ def patched_record_reference(self, module, kwargs, keys, values):
     if plan is None or "window" not in reference.mass:
         return reference
     index = torch.arange(max(0, n - self.observation_window), n, device=keys.device)
-    hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
-    queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
-    mass = attention_mass(queries, keys, module.scaling, query_positions=index, reduce="sum")  # [b, h_kv, n]
+    mass = attention_mass(window_queries(reference), keys, module.scaling, query_positions=index, reduce="sum")
     per_query = mass.sum(-1, keepdim=True)  # group size x window queries
     reference.middle_share = (mass[:, :, plan.sink : n - plan.window].sum(-1, keepdim=True) / per_query)[..., 0]
     if DIAG:
@@ -44,31 +40,14 @@ def patched_record_reference(self, module, kwargs, keys, values):
     return reference
 
 
-
-def patched_compress_middle(self, module, keys, values, start, end, rows, reference):
+def middle_share_rows(total, reference, start, end, rows, base):
     share = getattr(reference, "middle_share", None)
-    if share is None or self.selection != "attention":
-        return compress_middle(self, module, keys, values, start, end, rows, reference)
-    reserved = reserved_rows(self, rows)
-    base = rows - sum(reserved.values())
-    window = torch.round(SCALE * share * rows).long().clamp(min=base, max=max(base, round(MAXWIN * rows)))
-    total = normalise(pool_scores(reference.mass["window"][:, :, start:end], self.pool_kernel))
-    chosen = torch.zeros_like(total, dtype=torch.bool)
-    take_top(total, chosen, window)
-    left = rows - window
-    novelty, induction = reserved.get("novelty", 0), reserved.get("induction", 0)
-    novelty_rows = torch.round(left * (novelty / max(novelty + induction, 1))).long()
-    for source, counts in zip(PRIORS, (novelty_rows, left - novelty_rows), strict=True):
-        if source in reference.mass:
-            take_top(reference.mass[source][:, :, start:end], chosen, counts)
-    scores = torch.where(chosen, total + (1.0 + total.amax(-1, keepdim=True)), total)
-    fit = None if self.fit == "none" else dict(fit_values=self.fit == "values", bin_rows=self.fit_bin_rows,
-                                                 ridge=self.fit_ridge)
-    return pr.compress_by_attention(module, keys, values, start, end, rows, scores, reference, fit)
+    if share is None:
+        return None
+    return torch.round(SCALE * share * rows).long().clamp(min=base, max=max(base, round(MAXWIN * rows)))
 
 
-compress_middle = Press.compress_middle
-Press.record_reference = patched_record_reference
-Press.compress_middle = patched_compress_middle
+pr.CompressKVPress.record_reference = patched_record_reference
+split_by_window(middle_share_rows)
 
 sys.exit(run(sys.argv[1:]))
