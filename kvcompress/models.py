@@ -61,10 +61,12 @@ def embedded_model_dir() -> Path:
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if target.exists():  # a concurrent conversion finished first
-        shutil.rmtree(staging)
-    else:
+    try:
         staging.replace(target)
+    except OSError as error:  # a concurrent conversion (another process, e.g. a test worker) finished first
+        shutil.rmtree(staging)
+        if not (target / "config.json").exists():
+            raise RuntimeError(f"model: {target} exists but holds no converted model; remove it and retry") from error
     return target
 
 
