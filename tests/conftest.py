@@ -11,9 +11,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # 2 threads (the CI machines' cores) unless OMP_NUM_THREADS says otherwise: `OMP_NUM_THREADS=1 pytest` runs every
-# reduction single-threaded, which changes float rounding; tolerances must hold under both.
+# reduction single-threaded, which changes float rounding; tolerances must hold under both. Under pytest-xdist
+# (scripts/test.sh runs two workers) each worker takes 1 thread, so the two never fight over the 2 cores.
 _threads = os.environ.get("OMP_NUM_THREADS", "")
-torch.set_num_threads(int(_threads) if _threads.isdigit() and int(_threads) > 0 else 2)
+_default_threads = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+torch.set_num_threads(int(_threads) if _threads.isdigit() and int(_threads) > 0 else _default_threads)
 
 
 @pytest.fixture(scope="session")

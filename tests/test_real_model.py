@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct (the embedded model) on ~2k-token pydoc_data.topics contexts. Slow; CI runs them."""
+"""SmolLM2-135M-Instruct (the embedded model) on 1k-token pydoc_data.topics contexts. Slow; CI runs them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def model_and_contexts(embedded_dir):
     model, tokenizer = load_model(str(embedded_dir))
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    contexts = build_contexts(pipe, ["prose"], [2000], seeds=3, continuation=48, seed=7)
+    contexts = build_contexts(pipe, ["prose"], [1024], seeds=3, continuation=48, seed=7)
     return model, contexts
 
 
