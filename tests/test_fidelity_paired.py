@@ -1,0 +1,45 @@
+"""eval.fidelity_paired: two presses' continuation KL paired per context, pooled over runs whose names repeat."""
+
+import json
+
+import numpy as np
+import pytest
+
+from eval import fidelity_paired
+
+
+def _run(tmp_path, name: str, rows: list[tuple[str, str, float, float]]):
+    run = tmp_path / name
+    run.mkdir()
+    lines = [json.dumps({"context": c, "press": p, "kept": k, "kl": kl}) for c, p, k, kl in rows]
+    (run / "runs.jsonl").write_text("\n".join(lines) + "\n")
+    return str(run)
+
+
+def test_runs_pool_with_contexts_paired_within_each_run(tmp_path, capsys):
+    rng = np.random.default_rng()
+    a0, b0, a1, b1 = (rng.uniform(0.01, 1.0, 3) for _ in range(4))
+    names = ["prose-2048-s0", "code-2048-s0", "mix-2048-s0"]  # the same names in both runs (another --seed)
+    first = _run(tmp_path, "seed0", [(c, p, 0.25, v) for p, vals in (("x", a0), ("snapkv", b0)) for c, v in
+                                     zip(names, vals, strict=True)] + [("prose-2048-s0", "x", 0.5, 9.0)])  # fmt: skip
+    second = _run(tmp_path, "seed1", [(c, p, 0.25, v) for p, vals in (("x[y=1]", a1), ("snapkv", b1)) for c, v in
+                                      zip(names, vals, strict=True)])  # fmt: skip
+    kl_a, kl_b, paired = fidelity_paired.paired_kl([(first, "x", "snapkv"), (second, "x[y=1]", "snapkv")], 0.25)
+    order = np.argsort(names)  # contexts sorted by name within a run
+    np.testing.assert_array_equal(kl_a, np.concatenate([a0[order], a1[order]]))
+    np.testing.assert_array_equal(kl_b, np.concatenate([b0[order], b1[order]]))
+    assert paired[0] == f"{first}:code-2048-s0" and len(paired) == 6
+    assert fidelity_paired.main(["--pair", first, "x", "snapkv", "--pair", second, "x[y=1]", "snapkv"]) == 0
+    ratio = np.concatenate([a0, a1]).mean() / np.concatenate([b0, b1]).mean()
+    out = capsys.readouterr().out
+    assert out.startswith(f"KL A / B on 6 contexts: {ratio:.3f} [95% paired interval ")
+    per_context = np.concatenate([a0 / b0, a1 / b1])
+    assert f"{int((per_context > 1.5).sum())} above 1.5, {int((per_context < 1).sum())} below 1" in out
+
+
+def test_a_press_the_run_lacks_is_one_error_naming_the_labels(tmp_path):
+    run = _run(tmp_path, "run", [("prose-2048-s0", "snapkv", 0.25, 0.1), ("prose-2048-s0", "x", 0.25, 0.2)])
+    with pytest.raises(SystemExit, match=r"no rows of 'nope' at kept 0.25; it has \['snapkv', 'x'\]"):
+        fidelity_paired.main(["--pair", run, "nope", "snapkv"])
+    with pytest.raises(SystemExit, match="no rows of 'x' at kept 0.5"):
+        fidelity_paired.main(["--pair", run, "x", "snapkv", "--kept", "0.5"])
