@@ -39,10 +39,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVCOMPRESS_CACHE", Path.home() / ".cache" / "kvcompress"))
 
 
+def _converted(directory: Path) -> bool:
+    """Whether ``directory`` holds a converted model (what :func:`embedded_model_dir` saves)."""
+    return (directory / "config.json").exists() and (directory / "tokenizer.json").exists()
+
+
 def embedded_model_dir() -> Path:
     """Directory of the converted embedded model (converted from the GGUF on first use)."""
     target = cache_root() / EMBEDDED_MODEL
-    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+    if _converted(target):
         return target
     try:
         import gguf  # noqa: F401  (transformers reads GGUF files with it)
@@ -65,7 +70,7 @@ def embedded_model_dir() -> Path:
         staging.replace(target)
     except OSError as error:  # a concurrent conversion (another process, e.g. a test worker) finished first
         shutil.rmtree(staging)
-        if not (target / "config.json").exists():
+        if not _converted(target):
             raise RuntimeError(f"model: {target} exists but holds no converted model; remove it and retry") from error
     return target
 
