@@ -35,7 +35,9 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
     for name in ("none", "snapkv"):  # nothing of ours runs: all in the forward
         assert by_name[name]["mass_s"] == by_name[name]["fit_s"] == by_name[name]["selection_s"] == 0
     assert by_name["paper"]["selection_s"] > 0 and by_name["paper"]["mass_s"] == 0  # RPNys, no reference queries
-    for name in ("thorough", "balanced", "balanced_window_novelty", "window_repeat_sum", "repeat_quarter"):
+    for name in (
+        "thorough", "balanced", "balanced_window_novelty", "balanced_eighth", "window_repeat_sum", "repeat_quarter",
+    ):
         assert by_name[name]["repeat_forward_s"] > 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
     for name in ("default", "window", "context", "accumulated"):
         assert by_name[name]["repeat_forward_s"] == 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0

@@ -52,6 +52,8 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "accumulated": dict(reference=("window", "accumulated")),
     "window_novelty": dict(reference=("window", "novelty")),  # the default before its induction prior (2026-11-26)
     "balanced_window_novelty": dict(preset="balanced", reference=("window", "novelty", "repeat")),  # before it too
+    # balanced()'s second reading halved: the most novel eighth in pieces of 8 tokens (KVzip's answers, BENCHMARKS)
+    "balanced_eighth": dict(preset="balanced", repeat_fraction=0.125, repeat_span=8),
     "repeat_quarter": dict(reference=("window", "repeat"), repeat_fraction=0.25),
 }
 TORCH_MASS_MAX = 8192 * 8192  # the chunked torch path is timed on CUDA up to this many query-key pairs (~1 s)

@@ -1,7 +1,8 @@
 """Diagnostic of issue 20's frontier (docs/BENCHMARKS.md, "Pilots not kept"), not part of the library: the share of
 the answer tokens of the RULER-style contexts (1024 tokens, 8 per task, raw context tokens) that fall in the pieces
 balanced() re-reads (32 tokens, an eighth or a quarter), for per-head normalisations of the key novelty and piece
-aggregates. Run: python results/frontier/patches/piece_coverage.py [LIMIT] [LENGTH]."""
+aggregates. Run: [SPAN=32] python results/frontier/patches/piece_coverage.py [LIMIT] [LENGTH]."""
+import os
 import sys
 
 import torch
@@ -17,7 +18,7 @@ tok = AutoTokenizer.from_pretrained(name)
 model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.float32).eval()
 LIMIT = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 LENGTH = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
-SPAN = 32
+SPAN = int(os.environ.get("SPAN", 32))  # tokens a piece
 
 
 def norm_minmax(x):
