@@ -28,8 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="compresskv",
                    help="a press of the method registry, or exact (default compresskv: about 1.3x a plain prefill "
                         "on CPU, no extra pass over the model; for contexts stored and asked many questions, "
-                        "compresskv_balanced re-reads the most novel quarter of each (1.9x the prefill on CPU) "
-                        "and answers more than the default (above KVzip's scoring on the embedded model); "
+                        "compresskv_balanced re-reads the most novel quarter of each (about 2x the prefill on CPU) "
+                        "and answers more than the default (above KVzip's scoring on the embedded model; "
+                        "--press-option repeat_fraction=0.125 --press-option repeat_span=8 halves that second "
+                        "reading, 1.7x on CPU, for KVzip's answers); "
                         "compresskv_thorough re-reads all of it (4.2x on CPU, 5.3x on an H200) and keeps the "
                         "most of what later questions and continuations need: choose it when answers matter more "
                         "than the prefill)")
