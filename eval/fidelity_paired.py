@@ -11,20 +11,21 @@ several runs (e.g. one per ``--seed``, whose context names repeat) are pooled, e
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from kvcompress.fidelity.stats import bootstrap_ratio
+from kvcompress.fidelity.study import read_runs
 
 
 def context_kl(run: str, press: str, kept: float) -> dict[str, float]:
-    """context name -> KL of ``press`` at ``kept`` in a fidelity run (directory or runs.jsonl)."""
+    """context name -> KL of ``press`` at ``kept`` in a fidelity run (directory or runs.jsonl), read as the study
+    reads it (the first of any repeated row)."""
     path = Path(run)
     path = path / "runs.jsonl" if path.is_dir() else path
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_runs(path)
     kl = {r["context"]: r["kl"] for r in rows if r["press"] == press and r.get("kept") == kept}
     if not kl:
         labels = sorted({r["press"] for r in rows if r.get("kept") == kept})
