@@ -3,9 +3,13 @@
 Each point (a press setting) takes its numbers from the files other harnesses wrote, nothing is re-run here:
 
 * questions asked after compression: the RULER-style average of ``kvcompress eval --benchmark ruler``
-  (``scores.json`` of a run directory and the method's name there), at each kept fraction given;
+  (``scores.json`` of a run directory and the method's name there), at each kept fraction given; or, for a list of
+  run directories (e.g. one per ``--seed``), the average over their pooled contexts with its 95% bootstrap interval
+  (each task's contexts resampled, as ``eval.ruler_paired`` pools them);
 * the continuation: KL / SnapKV's KL (paired ratio with its 95% interval, and the worst context's ratio) from
-  ``python -m eval.fidelity``'s ``summary.json`` and the press's label there;
+  ``python -m eval.fidelity``'s ``summary.json`` and the press's label there; or, for a list of ``[run, label]``
+  pairs (fidelity output directories, e.g. one per ``--seed``), paired against ``kl_baseline``'s rows of the same
+  runs and pooled as ``eval.fidelity_paired`` pools them, with the count of contexts above ``kl_bound``;
 * the prefill's cost: ``python -m eval.prefill_time``'s output lines for the press's label, the median CPU seconds
   over rounds divided by the baseline's (``baseline_prefill``'s label) in the same output (a ratio within one
   run: every log a point reads must time the baseline too), and the median peak resident memory above what the
@@ -32,7 +36,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.fidelity_paired import paired_kl
+from eval.ruler_paired import pooled_scores
 from kvcompress.config import load_yaml
+from kvcompress.fidelity.stats import bootstrap_ratio
+from kvcompress.ruler.scoring import paired_difference
 
 PREFILL_LINE = re.compile(
     r"^(?P<label>\S+) kept=\S+ tokens=\d+ round \d+: prefill [\d.]+ s wall, (?P<cpu>[\d.]+) s CPU"
@@ -43,13 +51,16 @@ PREFILL_LINE = re.compile(
 @dataclass
 class PointsFile:
     """The points file's keys: ``baseline_prefill`` ``[log, label]`` (the no-press prefill), ``points`` (each with
-    ``name`` and optional ``ruler`` ``{kept: [run_dir, method]}``, ``kl`` ``[summary.json, label]``, ``prefill``
-    ``[log, label]`` and ``gpu`` ``[eval.speed JSON, setting]``), the kept fraction of the KL ratios, and the
-    context length and machine of the GPU numbers."""
+    ``name`` and optional ``ruler`` ``{kept: [run_dir or [run_dir, ...], method]}``, ``kl`` ``[summary.json, label]``
+    or ``[[run, label], ...]``, ``prefill`` ``[log, label]`` and ``gpu`` ``[eval.speed JSON, setting]``), the kept
+    fraction of the KL ratios, the pooled KL's baseline label and bound, and the context length and machine of the
+    GPU numbers."""
 
     baseline_prefill: list = field(default_factory=list)
     points: list = field(default_factory=list)
     kl_kept: float = 0.25
+    kl_baseline: str = "snapkv"
+    kl_bound: float = 1.5
     gpu_tokens: int = 32768
     gpu_machine: str = "GPU"
 
@@ -60,6 +71,28 @@ def ruler_average(run_dir: str, method: str) -> float:
     if method not in scores["results"]:
         raise ValueError(f"ruler: no method {method!r} in {run_dir}/scores.json (has {list(scores['results'])})")
     return scores["results"][method]["average"]
+
+
+def pooled_ruler(run_dirs: list[str], method: str) -> dict:
+    """The RULER-style average of ``method`` over the pooled contexts of several runs, its 95% bootstrap interval
+    (each task's contexts resampled) and the fewest contexts of any task."""
+    scores = {task: list(by_key.values()) for task, by_key in pooled_scores(list(run_dirs), method).items()}
+    interval = paired_difference(scores, {task: [0.0] * len(values) for task, values in scores.items()})
+    contexts = min(len(values) for values in scores.values())
+    return dict(average=interval["first"], low=interval["low"], high=interval["high"], contexts=contexts)
+
+
+def pooled_kl_ratio(pairs: list, baseline: str, kept: float, bound: float) -> dict:
+    """KL / ``baseline``'s KL over the contexts of several fidelity runs (``[[run, label], ...]``), each context
+    paired within its run: the ratio of means with its 95% paired interval, the worst context's ratio and how many
+    contexts are above ``bound``."""
+    kl, base, _ = paired_kl([(run, label, baseline) for run, label in pairs], kept)
+    ratio, low, high = bootstrap_ratio(kl, base)
+    per_context = kl / base
+    return dict(
+        ratio=ratio, low=low, high=high, worst=float(per_context.max()), contexts=len(kl),
+        above=int((per_context > bound).sum()),
+    )  # fmt: skip
 
 
 def kl_ratio(summary: str, label: str, kept: float) -> dict:
@@ -107,11 +140,20 @@ def collect(points_file: str) -> dict:
     kept_kl = float(spec.kl_kept)
     rows = []
     for point in spec.points:
-        row = dict(name=point["name"], ruler={}, kl=None, prefill_ratio=None, peak_gib=None, gpu=None)
-        for kept, (run_dir, method) in (point.get("ruler") or {}).items():
-            row["ruler"][str(kept)] = ruler_average(run_dir, method)
-        if point.get("kl"):
-            row["kl"] = kl_ratio(*point["kl"], kept_kl)
+        row = dict(name=point["name"], ruler={}, ruler_interval={}, kl=None, prefill_ratio=None, peak_gib=None)
+        row["gpu"] = None
+        for kept, (runs, method) in (point.get("ruler") or {}).items():
+            if isinstance(runs, str):
+                row["ruler"][str(kept)] = ruler_average(runs, method)
+            else:
+                pooled = pooled_ruler(runs, method)
+                row["ruler"][str(kept)] = pooled.pop("average")
+                row["ruler_interval"][str(kept)] = pooled
+        kl = point.get("kl")
+        if kl and isinstance(kl[0], str):
+            row["kl"] = kl_ratio(*kl, kept_kl)
+        elif kl:
+            row["kl"] = pooled_kl_ratio(kl, spec.kl_baseline, kept_kl, float(spec.kl_bound))
         if point.get("prefill"):
             log, label = point["prefill"]
             cpu, peak = prefill_cost(log, label)
@@ -122,14 +164,23 @@ def collect(points_file: str) -> dict:
         rows.append(row)
     fractions = sorted({kept for row in rows for kept in row["ruler"]}, key=float)
     gpu = dict(tokens=int(spec.gpu_tokens), machine=spec.gpu_machine)
-    return dict(fractions=fractions, kl_kept=kept_kl, baseline_peak_gib=base_peak, gpu=gpu, points=rows)
+    return dict(
+        fractions=fractions, kl_kept=kept_kl, kl_bound=float(spec.kl_bound), baseline_peak_gib=base_peak, gpu=gpu,
+        points=rows,
+    )  # fmt: skip
 
 
 def markdown(result: dict) -> str:
+    """The table: a pooled RULER-style cell shows its interval, and its contexts per task where they differ from
+    the table's most common count; a column of contexts above the KL bound where any point has pooled KL rows."""
     fractions = result["fractions"]
+    counts = [i["contexts"] for row in result["points"] for i in row.get("ruler_interval", {}).values()]
+    usual = max(set(counts), key=counts.count) if counts else None
+    above = any(row["kl"] and "above" in row["kl"] for row in result["points"])
     head = ["setting", *[f"RULER-style avg, {float(f):.0%} kept" for f in fractions]]
-    head += [f"KL / SnapKV at {result['kl_kept']:.0%} kept [95% CI]", "worst context", "CPU prefill / no press"]
-    head += ["peak above start, GiB"]
+    head += [f"KL / SnapKV at {result['kl_kept']:.0%} kept [95% CI]", "worst context"]
+    head += [f"contexts above {result.get('kl_bound', 1.5)}x"] if above else []
+    head += ["CPU prefill / no press", "peak above start, GiB"]
     on_gpu = any(row.get("gpu") for row in result["points"])
     if on_gpu:
         where = f"{result['gpu']['machine']}, {result['gpu']['tokens'] // 1024}k"
@@ -139,11 +190,20 @@ def markdown(result: dict) -> str:
     def fmt(value, pattern: str) -> str:
         return "-" if value is None else pattern.format(value)
 
+    def ruler_cell(row: dict, kept: str) -> str:
+        interval = row.get("ruler_interval", {}).get(kept)
+        cell = fmt(row["ruler"].get(kept), "{:.1f}")
+        if interval:
+            cell += f" [{interval['low']:.1f}, {interval['high']:.1f}]"
+            cell += f" ({interval['contexts']} per task)" if interval["contexts"] != usual else ""
+        return cell
+
     for row in result["points"]:
         kl = row["kl"]
-        cells = [row["name"], *[fmt(row["ruler"].get(f), "{:.1f}") for f in fractions]]
+        cells = [row["name"], *[ruler_cell(row, f) for f in fractions]]
         cells.append("-" if kl is None else f"{kl['ratio']:.2f} [{kl['low']:.2f}, {kl['high']:.2f}]")
         cells.append(fmt(kl and kl["worst"], "{:.2f}"))
+        cells += [fmt(kl and kl.get("above"), "{:d}")] if above else []
         cells += [fmt(row["prefill_ratio"], "{:.2f}"), fmt(row["peak_gib"], "{:.3f}")]
         if on_gpu:
             gpu = row.get("gpu") or {}

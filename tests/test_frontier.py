@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -111,3 +112,54 @@ def test_gpu_columns_read_the_speed_breakdown_at_the_chosen_length(tmp_path: Pat
     (tmp_path / "points.yaml").write_text(yaml.safe_dump(points))
     with pytest.raises(SystemExit, match="gpu: no setting 'balanced' at 32768 tokens"):
         frontier.main(["--points", str(tmp_path / "points.yaml"), "--output-dir", str(out)])
+
+
+def test_pooled_runs_give_the_pooled_average_its_interval_and_the_kl_bound_count(tmp_path: Path, monkeypatch) -> None:
+    from eval import ruler_paired
+    from tests.test_ruler_paired import Example, write_run
+
+    def contexts(seed: int) -> dict[str, list[Example]]:  # each seed its own contexts, as the generator makes them
+        tasks = ("niah_single", "qa")
+        return {task: [Example(f"{task}-{seed}-{i}", [[f"{task}{seed}{i}"]]) for i in range(4)] for task in tasks}
+
+    monkeypatch.setattr(ruler_paired, "load_task", lambda task, cfg: contexts(cfg.seed)[task])
+    monkeypatch.setattr(ruler_paired, "select", lambda examples, cfg: examples[: cfg.limit])
+    runs = [write_run(tmp_path / f"r{seed}", "compresskv", seed, 4, contexts(seed), right=right)
+            for seed, right in ((0, 3), (1, 1))]  # fmt: skip
+    short = [write_run(tmp_path / "short", "snapkv", 0, 2, contexts(0), right=2)]
+    rng = np.random.default_rng()
+    kl = {seed: {p: rng.uniform(0.01, 1.0, 3) for p in ("x", "snapkv")} for seed in (0, 1)}
+    fid = []
+    for seed, by_press in kl.items():
+        (tmp_path / f"f{seed}").mkdir()
+        rows = [dict(context=f"c{i}", press=p, kept=0.25, kl=float(v)) for p, vals in by_press.items()
+                for i, v in enumerate(vals)]  # fmt: skip
+        (tmp_path / f"f{seed}" / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        fid.append([str(tmp_path / f"f{seed}"), "x"])
+    (tmp_path / "prefill.txt").write_text("exact kept=0.25 tokens=10 round 0: prefill 1.0 s wall, 2.0 s CPU\n")
+    points = dict(
+        baseline_prefill=[str(tmp_path / "prefill.txt"), "exact"],
+        kl_bound=1.2,
+        points=[
+            dict(name="pooled", ruler={"0.25": [runs, "compresskv"]}, kl=fid),
+            dict(name="fewer", ruler={"0.25": [short, "snapkv"]}),
+            dict(name="same", ruler={"0.25": [runs, "compresskv"]}),
+        ],
+    )
+    (tmp_path / "points.yaml").write_text(yaml.safe_dump(points))
+    out = tmp_path / "out"
+    assert frontier.main(["--points", str(tmp_path / "points.yaml"), "--output-dir", str(out)]) == 0
+    pooled, fewer, _ = json.loads((out / "frontier.json").read_text())["points"]
+    assert pooled["ruler"]["0.25"] == pytest.approx(100 * 4 / 8)  # 3 + 1 of 8 contexts right in each task
+    interval = pooled["ruler_interval"]["0.25"]
+    assert interval["contexts"] == 8 and interval["low"] < 50 < interval["high"]
+    assert fewer["ruler"]["0.25"] == 100 and fewer["ruler_interval"]["0.25"]["low"] == 100
+    x = np.concatenate([kl[0]["x"], kl[1]["x"]])
+    base = np.concatenate([kl[0]["snapkv"], kl[1]["snapkv"]])
+    assert pooled["kl"]["ratio"] == pytest.approx(x.mean() / base.mean()) and pooled["kl"]["contexts"] == 6
+    assert pooled["kl"]["worst"] == pytest.approx((x / base).max())
+    assert pooled["kl"]["above"] == int((x / base > 1.2).sum())
+    table = (out / "frontier.md").read_text()
+    assert "| contexts above 1.2x |" in table
+    assert f"| pooled | 50.0 [{interval['low']:.1f}, {interval['high']:.1f}] | {pooled['kl']['ratio']:.2f} [" in table
+    assert "| fewer | 100.0 [100.0, 100.0] (2 per task) | - | - | - |" in table
