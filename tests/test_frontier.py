@@ -163,3 +163,16 @@ def test_pooled_runs_give_the_pooled_average_its_interval_and_the_kl_bound_count
     assert "| contexts above 1.2x |" in table
     assert f"| pooled | 50.0 [{interval['low']:.1f}, {interval['high']:.1f}] | {pooled['kl']['ratio']:.2f} [" in table
     assert "| fewer | 100.0 [100.0, 100.0] (2 per task) | - | - | - |" in table
+
+
+def test_readme_results_table_is_the_one_eval_frontier_wrote() -> None:
+    """README's results table is results/frontier/headline/frontier.md as written, not typed in by hand."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().split("\n")
+    start = readme.index("## Results")
+    first = next(i for i in range(start, len(readme)) if readme[i].startswith("|"))
+    last = next(i for i in range(first, len(readme)) if not readme[i].startswith("|"))
+    written = (root / "results/frontier/headline/frontier.md").read_text().strip().split("\n")
+    assert readme[first:last] == written
+    points = yaml.safe_load((root / "results/frontier/headline.yaml").read_text())["points"]
+    assert [line.split(" | ")[0].removeprefix("| ") for line in written[2:]] == [p["name"] for p in points]
