@@ -140,8 +140,9 @@ def collect(points_file: str) -> dict:
     kept_kl = float(spec.kl_kept)
     rows = []
     for point in spec.points:
-        row = dict(name=point["name"], ruler={}, ruler_interval={}, kl=None, prefill_ratio=None, peak_gib=None)
-        row["gpu"] = None
+        row = dict(
+            name=point["name"], ruler={}, ruler_interval={}, kl=None, prefill_ratio=None, peak_gib=None, gpu=None
+        )
         for kept, (runs, method) in (point.get("ruler") or {}).items():
             if isinstance(runs, str):
                 row["ruler"][str(kept)] = ruler_average(runs, method)
