@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and answers more than the default (above KVzip's scoring on the embedded model; "
                         "--press-option repeat_fraction=0.125 --press-option repeat_span=8 halves that second "
                         "reading, 1.7x on CPU, for KVzip's answers); "
-                        "compresskv_thorough re-reads all of it (4.2x on CPU, 5.3x on an H200) and keeps the "
-                        "most of what later questions and continuations need: choose it when answers matter more "
-                        "than the prefill)")
+                        "compresskv_thorough re-reads all of it (4.3x on CPU, 5.3x on an H200), answers as many "
+                        "later questions as compresskv_balanced and keeps the most of the continuation: choose it "
+                        "when answers matter more than the prefill)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
                    help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")
