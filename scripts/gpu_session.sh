@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Every GPU number still open, in one call of the lent GPU machine, most wanted first, under one deadline (a session
+# gets about 15 minutes of device time and 10 minutes a call; a step that would pass the deadline is cut short or
+# skipped, and the steps done still come back). From the repository root, with .gpu-wheels carried (kvpress 0.5.5
+# and transformers 5.2 wheels; docs/BENCHMARKS.md, "Commands on a GPU machine"):
+#
+#   OUT=$OUT/g DEADLINE_S=540 bash scripts/gpu_session.sh
+#
+# Steps: the prefill breakdown at 32k per setting (issue 20's goals: the default <= 1.3x no press, the "thorough"
+# point <= 2.2x, peak <= SnapKV's + 5%, the fit <= 5% of the prefill); every Triton kernel's tests compiled on CUDA
+# (and the CUDA-graph decode against eager); the host-device syncs of one prefill; decode steps and one layer's
+# attention call at 32k, batch 1 and 8 (DECODE_LAYERS of the model's 28 layers, default 4: inductor compiles three
+# graphs per batch size); the multi-token weighted attention's backends; its tiles; the breakdown at 64k.
+# Logs and JSON go to $OUT, packed into $OUT.tgz after every step (the device tool returns at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/speed/gpu_session}
+DEADLINE_S=${DEADLINE_S:-540}
+DECODE_LAYERS=${DECODE_LAYERS:-4}
+mkdir -p "$OUT"
+if [ -d .gpu-wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .gpu-wheels/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+PY=${PYTHON:-python3}
+
+pack() { tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+
+# step NAME CAP_S COMMAND...: runs COMMAND under min(CAP_S, time left), its output in $OUT/NAME.log.
+step() {
+    local name=$1 cap=$2 left
+    shift 2
+    left=$((DEADLINE_S - SECONDS - 5))
+    [ "$left" -lt "$cap" ] && cap=$left
+    if [ "$cap" -lt 20 ]; then
+        echo "== $name: skipped (${left}s left)"
+        return
+    fi
+    local tic=$SECONDS
+    timeout --kill-after=5 "$cap" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $? in $((SECONDS - tic)) s (limit $cap s)"
+    pack
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $PY -c "import torch, triton, transformers, kvpress; print(torch.__version__, triton.__version__, \
+transformers.__version__, kvpress.__version__ if hasattr(kvpress, '__version__') else 'kvpress')"
+    git log -1 --format="commit %h %s" 2>/dev/null || true
+} > "$OUT/environment.txt" 2>&1
+cat "$OUT/environment.txt"
+
+step prefill_32768 230 $PY -m eval.speed --only prefill --breakdown-lengths 32768 --e2e-repeats 2 \
+    --breakdown-settings none snapkv default window_novelty balanced balanced_eighth thorough \
+    --output "$OUT/prefill_32768.json"
+grep -A12 "breakdown per setting" "$OUT/prefill_32768.log"
+grep -A4 "attention mass of one layer" "$OUT/prefill_32768.log"
+
+step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
+    tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
+    tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
+    tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
+grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" | tail -15
+
+step syncs 45 $PY -m eval.probe_syncs --output "$OUT/syncs.json"
+grep -v "^ " "$OUT/syncs.log" | tail -12
+
+for batch in 1 8; do
+    step "decode_32768_b$batch" 110 $PY -m eval.speed --only decode --decode-contexts 32768 \
+        --decode-batch-sizes "$batch" --model-layers "$DECODE_LAYERS" --output "$OUT/decode_32768_b$batch.json"
+    grep -A30 "greedy decode step" "$OUT/decode_32768_b$batch.log"
+    if [ "$batch" = 1 ]; then
+        step weighted_prefill 80 $PY -m eval.bench_weighted_prefill --contexts 8192 32768 --new-tokens 64 512 \
+            --repeats 20 --output "$OUT/weighted_prefill.json"
+        tail -14 "$OUT/weighted_prefill.log"
+    fi
+done
+
+step tiles 70 $PY -m eval.bench_weighted_prefill --contexts 32768 --new-tokens 1 16 128 512 --backends triton \
+    --tiles 16x64x8 16x32x8 32x32x8 64x16x8 64x64x8 --repeats 20 --output "$OUT/tiles.json"
+tail -24 "$OUT/tiles.log"
+
+step prefill_65536 200 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
+    --breakdown-settings none snapkv default balanced --output "$OUT/prefill_65536.json"
+grep -A8 "breakdown per setting" "$OUT/prefill_65536.log"
+echo "done in $SECONDS s"
