@@ -6,7 +6,11 @@
 #
 #   OUT=$OUT/g DEADLINE_S=540 bash scripts/gpu_session.sh
 #
-# Steps: the prefill breakdown at 32k per setting (issue 20's goals: the default <= 1.3x no press, the "thorough"
+# STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: all, in the order below);
+# SETTINGS_32K / SETTINGS_64K change the breakdowns' settings (eval/speed/prefill.py's names).
+#
+# Steps: the fused attention's log-sum-exp hand-over (which kernel sdpa picks, and each operator's time and error, for
+# a 32k prefill and a repeat chunk; `python -m eval.probe_flash_lse`) and its tests compiled; the prefill breakdown at 32k per setting (issue 20's goals: the default <= 1.3x no press, the "thorough"
 # point <= 2.2x, peak <= SnapKV's + 5%, the fit <= 5% of the prefill); every Triton kernel's tests compiled on CUDA
 # (and the CUDA-graph decode against eager); the host-device syncs of one prefill; decode steps and one layer's
 # attention call at 32k, batch 1 and 8 (DECODE_LAYERS of the model's 28 layers, default 4: inductor compiles three
@@ -17,6 +21,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/gpu_session}
 DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
+SETTINGS_32K=${SETTINGS_32K:-none snapkv default window_novelty balanced balanced_eighth thorough}
+SETTINGS_64K=${SETTINGS_64K:-none snapkv default balanced}
+STEPS=${STEPS:-lse_prefill lse_chunk attention_tests prefill_32768 kernel_tests syncs decode_32768_b1 \
+weighted_prefill decode_32768_b8 tiles prefill_65536}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -32,6 +40,7 @@ pack() { tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
 step() {
     local name=$1 cap=$2 left
     shift 2
+    case " $STEPS " in *" $name "*) ;; *) return ;; esac
     left=$((DEADLINE_S - SECONDS - 5))
     [ "$left" -lt "$cap" ] && cap=$left
     if [ "$cap" -lt 20 ]; then
@@ -52,37 +61,45 @@ transformers.__version__, kvpress.__version__ if hasattr(kvpress, '__version__')
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
+step lse_prefill 40 $PY -m eval.probe_flash_lse --context 0 --chunk 32768 --output "$OUT/lse_prefill.json"
+cat "$OUT/lse_prefill.log" 2>/dev/null
+step lse_chunk 40 $PY -m eval.probe_flash_lse --output "$OUT/lse_chunk.json"
+cat "$OUT/lse_chunk.log" 2>/dev/null
+step attention_tests 60 $PY -m pytest -q -p no:cacheprovider tests/test_repeat_attention.py
+tail -3 "$OUT/attention_tests.log" 2>/dev/null
+
+# shellcheck disable=SC2086  # the settings are words
 step prefill_32768 230 $PY -m eval.speed --only prefill --breakdown-lengths 32768 --e2e-repeats 2 \
-    --breakdown-settings none snapkv default window_novelty balanced balanced_eighth thorough \
-    --output "$OUT/prefill_32768.json"
-grep -A12 "breakdown per setting" "$OUT/prefill_32768.log"
-grep -A4 "attention mass of one layer" "$OUT/prefill_32768.log"
+    --breakdown-settings $SETTINGS_32K --output "$OUT/prefill_32768.json"
+grep -A12 "breakdown per setting" "$OUT/prefill_32768.log" 2>/dev/null
+grep -A4 "attention mass of one layer" "$OUT/prefill_32768.log" 2>/dev/null
 
 step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
     tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
     tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
     tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
-grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" | tail -15
+grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" 2>/dev/null | tail -15
 
 step syncs 45 $PY -m eval.probe_syncs --output "$OUT/syncs.json"
-grep -v "^ " "$OUT/syncs.log" | tail -12
+grep -v "^ " "$OUT/syncs.log" 2>/dev/null | tail -12
 
 for batch in 1 8; do
     step "decode_32768_b$batch" 110 $PY -m eval.speed --only decode --decode-contexts 32768 \
         --decode-batch-sizes "$batch" --model-layers "$DECODE_LAYERS" --output "$OUT/decode_32768_b$batch.json"
-    grep -A30 "greedy decode step" "$OUT/decode_32768_b$batch.log"
+    grep -A30 "greedy decode step" "$OUT/decode_32768_b$batch.log" 2>/dev/null
     if [ "$batch" = 1 ]; then
         step weighted_prefill 80 $PY -m eval.bench_weighted_prefill --contexts 8192 32768 --new-tokens 64 512 \
             --repeats 20 --output "$OUT/weighted_prefill.json"
-        tail -14 "$OUT/weighted_prefill.log"
+        tail -14 "$OUT/weighted_prefill.log" 2>/dev/null
     fi
 done
 
 step tiles 70 $PY -m eval.bench_weighted_prefill --contexts 32768 --new-tokens 1 16 128 512 --backends triton \
     --tiles 16x64x8 16x32x8 32x32x8 64x16x8 64x64x8 --repeats 20 --output "$OUT/tiles.json"
-tail -24 "$OUT/tiles.log"
+tail -24 "$OUT/tiles.log" 2>/dev/null
 
+# shellcheck disable=SC2086
 step prefill_65536 200 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
-    --breakdown-settings none snapkv default balanced --output "$OUT/prefill_65536.json"
-grep -A8 "breakdown per setting" "$OUT/prefill_65536.log"
+    --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
+grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
 echo "done in $SECONDS s"
