@@ -5,8 +5,8 @@ compressed cache layer (see :mod:`kvcompress.cache`) it runs weighted attention 
 else it hands the call to the stock sdpa function unchanged, so a never-compressed cache gives
 exactly the sdpa result. The one exception is inside :func:`new_tokens_see_all_cached`, where the
 repeat pass's chunks (new tokens after a full, unpadded cache) run a lower-right causal sdpa; on CUDA, while the
-pass records (:func:`handing_over_context_lse`), as two flash calls split at the context's end whose context
-log-sum-exp the attention mass reuses.
+pass records (:func:`handing_over_context_lse`), as two calls of sdpa's own fused kernel split at the context's
+end, whose context log-sum-exp the attention mass reuses.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -55,7 +56,7 @@ def new_tokens_see_all_cached() -> Iterator[None]:
 @contextmanager
 def handing_over_context_lse() -> Iterator[None]:
     """Inside (a repeat pass that scores its chunks' queries): where the chunks' attention can return its row
-    log-sum-exp (flash on CUDA), it runs as two attentions merged, over the context and over the chunk's own keys,
+    log-sum-exp (on CUDA), it runs as two attentions merged, over the context and over the chunk's own keys,
     and hands the context part's log-sum-exp to :func:`take_context_lse`: the attention mass of those queries over
     the context then needs no pass of its own for it (:func:`kvcompress.selection.attention_mass`, ``row_lse``)."""
     token = _CONTEXT_LSE.set([])
@@ -76,9 +77,17 @@ def take_context_lse(layer_idx: int) -> torch.Tensor | None:
     return lse
 
 
-def _flash_with_lse(query, key, value, causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's flash operator on CUDA (grouped-query heads taken as they are): output ``[b, h_q, q, d]`` and the
-    row log-sum-exp ``[b, h_q, q]`` float32 (natural log) that the public sdpa call does not return."""
+def _fused_attention_with_lse(query, key, value, causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused CUDA attention the public sdpa would run on these tensors (grouped-query heads taken as they are),
+    called through its private operator so that it also returns the row log-sum-exp: cuDNN where sdpa picks it
+    (torch >= 2.11 on Hopper and newer: faster than flash at long contexts), else flash. Output ``[b, h_q, q, d]``,
+    log-sum-exp ``[b, h_q, q]`` float32 (natural log)."""
+    choice = torch._fused_sdp_choice(query, key, value, None, 0.0, causal, scale=scaling, enable_gqa=True)
+    if choice == SDPBackend.CUDNN_ATTENTION.value:
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, key, value, None, True, 0.0, causal, False, scale=scaling
+        )
+        return out[0], out[1].reshape(query.shape[:-1])
     out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scaling)
     return out[0], out[1]
 
@@ -100,9 +109,9 @@ def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.T
 @contextmanager
 def handing_over_prefill_rows() -> Iterator[None]:
     """Inside (a press whose prior reads every prefill query, ``"induction"``): an unpadded causal prefill call runs
-    an attention that also returns its row log-sum-exp (flash on CUDA, torch's flash kernel on CPU: what sdpa runs
-    there) and hands the call's post-RoPE queries and that log-sum-exp to :func:`take_prefill_rows`, so the prior
-    needs neither a query projection nor an attention pass of its own."""
+    an attention that also returns its row log-sum-exp (the fused kernel sdpa itself picks: cuDNN or flash on CUDA,
+    flash on CPU) and hands the call's post-RoPE queries and that log-sum-exp to :func:`take_prefill_rows`, so the
+    prior needs neither a query projection nor an attention pass of its own, and the prefill runs no slower kernel."""
     token = _PREFILL_ROWS.set({})
     try:
         yield
@@ -136,14 +145,14 @@ def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling,
     scaling = _resolved_scaling(query, scaling)
     try:
         if query.device.type == "cuda":
-            out, lse = _flash_with_lse(query, key, value, True, scaling)
+            out, lse = _fused_attention_with_lse(query, key, value, True, scaling)
         elif query.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, 0.0, True, scale=scaling
             )
         else:
             return None
-    except (RuntimeError, TypeError) as error:  # a flash operator this torch build lacks or refuses
+    except (RuntimeError, TypeError) as error:  # a fused operator this torch build lacks or refuses
         logger.warning_once(f"kvcompress: the prefill's attention hands no log-sum-exp over ({error})")
         return None
     slot.clear()  # the layer's hook takes its rows right after this call: never hold more than one layer's
@@ -180,8 +189,8 @@ def _lower_right_causal_sdpa(
     slot = _CONTEXT_LSE.get()
     if slot is not None and _split_wanted(query):
         try:
-            out, lse = split_at_context(query, key, value, _resolved_scaling(query, scaling), _flash_with_lse)
-        except (RuntimeError, TypeError) as error:  # a flash operator this torch build lacks or refuses
+            out, lse = split_at_context(query, key, value, _resolved_scaling(query, scaling), _fused_attention_with_lse)
+        except (RuntimeError, TypeError) as error:  # a fused operator this torch build lacks or refuses
             logger.warning_once(f"kvcompress: the repeat chunks' attention hands no log-sum-exp over ({error})")
         else:
             slot[:] = [getattr(module, "layer_idx", None), lse]

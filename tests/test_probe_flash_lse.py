@@ -25,5 +25,10 @@ def test_without_cuda_it_says_so(capsys):
 def test_candidates_take_the_press_layout():
     """Each candidate is named and callable with (q, k, v, scale), the layout the repeat chunk's attention has."""
     found = probe_flash_lse.candidates()
-    assert set(found) == {"aten._scaled_dot_product_flash_attention", "aten._flash_attention_forward"}
+    assert set(found) == {
+        "aten._scaled_dot_product_flash_attention",
+        "aten._flash_attention_forward",
+        "aten._scaled_dot_product_cudnn_attention",
+        "kvcompress _fused_attention_with_lse",
+    }
     assert all(callable(fn) for fn in found.values())

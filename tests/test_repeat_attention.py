@@ -140,8 +140,9 @@ def test_repeat_settings_keep_their_cache(press, family, monkeypatch):
 
 
 def math_attend(query, key, value, causal, scaling):
-    """``(out [b, h_q, q, d], lse [b, h_q, q])`` by the definition in the inputs' dtype: the CPU stand-in of the flash
-    operator (``hf_attention._flash_with_lse``); ``causal``: query i sees keys ``<= i`` (as many keys as queries)."""
+    """``(out [b, h_q, q, d], lse [b, h_q, q])`` by the definition in the inputs' dtype: the CPU stand-in of the fused
+    operator (``hf_attention._fused_attention_with_lse``); ``causal``: query i sees keys ``<= i`` (as many keys as
+    queries)."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     logits = (query @ key.transpose(-1, -2)) * scaling
@@ -180,7 +181,26 @@ def test_split_at_context_with_flash_on_cuda(dtype):
     dots (|logit| <= ~10)."""
     query, key, value = inputs(8, 2, 64, 300, dtype, "cuda", seed=3)
     atol_out = tolerance(value, 300, dtype) + UNIT[dtype] * value.abs().max().item()
-    _check_split(query, key, value, hf_attention._flash_with_lse, atol_out=atol_out, atol_lse=1e-4)
+    _check_split(query, key, value, hf_attention._fused_attention_with_lse, atol_out=atol_out, atol_lse=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: sdpa's fused operators (cuDNN or flash)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_attention_hands_the_float64_lse_over_on_cuda(dtype, causal):
+    """The kernel sdpa picks (cuDNN on Hopper with torch >= 2.11, else flash), called so that it returns its row
+    log-sum-exp, as the induction prior's prefill and the repeat chunks run it: output within the lower-right
+    path's tolerance of the float64 definition, log-sum-exp [b, h_q, q] in natural log within float32
+    accumulation of 64-term dots (|logit| <= ~10), for grouped heads and a length no tile divides."""
+    query, key, value = inputs(8, 2, 300, 300, dtype, "cuda", seed=4)
+    out, lse = hf_attention._fused_attention_with_lse(query, key, value, causal, 0.125)
+    visible = lower_right(300, 300, "cuda") if causal else torch.ones(300, 300, dtype=torch.bool, device="cuda")
+    expected = float64_attention(query, key, value, 0.125, visible).transpose(1, 2)
+    assert out.shape == query.shape and lse.shape == query.shape[:-1] and lse.dtype == torch.float32
+    assert (out.double() - expected).abs().max().item() <= tolerance(value, 300, dtype)
+    logits = (query.double() @ key.double().repeat_interleave(4, 1).transpose(-1, -2)) * 0.125
+    expected_lse = logits.masked_fill(~visible, float("-inf")).logsumexp(-1)
+    assert (lse.double() - expected_lse).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize(
@@ -198,7 +218,7 @@ def test_handed_over_lse_keeps_the_cache(press, monkeypatch):
     model, context = tiny_model("qwen2", dtype=torch.float64), tokens(320, 5)
     plain = compressed_cache(model, press, context)
     monkeypatch.setattr(hf_attention, "_split_wanted", lambda query: True)
-    monkeypatch.setattr(hf_attention, "_flash_with_lse", math_attend)
+    monkeypatch.setattr(hf_attention, "_fused_attention_with_lse", math_attend)
     handed, original = [], reference.attention_mass
 
     def spy(*args, **kwargs):
