@@ -61,7 +61,7 @@ def candidates() -> dict:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
         return out[0], out[1].reshape(q.shape[:-1])
 
-    def library(q, k, v, scale):
+    def library(q, k, v, scale):  # a prefill only (as many keys as queries): it refuses a causal chunk
         from kvcompress.hf_attention import _fused_attention_with_lse
 
         return _fused_attention_with_lse(q, k, v, True, scale)

@@ -81,7 +81,10 @@ def _fused_attention_with_lse(query, key, value, causal: bool, scaling: float) -
     """The fused CUDA attention the public sdpa would run on these tensors (grouped-query heads taken as they are),
     called through its private operator so that it also returns the row log-sum-exp: cuDNN where sdpa picks it
     (torch >= 2.11 on Hopper and newer: faster than flash at long contexts), else flash. Output ``[b, h_q, q, d]``,
-    log-sum-exp ``[b, h_q, q]`` float32 (natural log)."""
+    log-sum-exp ``[b, h_q, q]`` float32 (natural log). ``causal`` needs as many keys as queries: cuDNN aligns its
+    causal mask top-left, flash bottom-right, and only the square case is the same for both."""
+    if causal and query.shape[-2] != key.shape[-2]:
+        raise ValueError(f"causal: needs as many keys as queries, got {key.shape[-2]} keys for {query.shape[-2]}")
     choice = torch._fused_sdp_choice(query, key, value, None, 0.0, causal, scale=scaling, enable_gqa=True)
     if choice == SDPBackend.CUDNN_ATTENTION.value:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(

@@ -184,6 +184,14 @@ def test_split_at_context_with_flash_on_cuda(dtype):
     _check_split(query, key, value, hf_attention._fused_attention_with_lse, atol_out=atol_out, atol_lse=1e-4)
 
 
+def test_fused_attention_refuses_a_causal_mask_that_is_not_square():
+    """cuDNN aligns a causal mask top-left and flash bottom-right: with fewer queries than keys the two differ (the
+    H200 probe: cuDNN's output 3.2 off the lower-right one), so the caller must split at the context instead."""
+    query, key, value = inputs(8, 2, 16, 48, torch.float32, "cpu", seed=5)
+    with pytest.raises(ValueError, match="causal: needs as many keys as queries, got 48 keys for 16"):
+        hf_attention._fused_attention_with_lse(query, key, value, True, 0.125)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: sdpa's fused operators (cuDNN or flash)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
