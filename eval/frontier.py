@@ -73,10 +73,12 @@ def ruler_average(run_dir: str, method: str) -> float:
     return scores["results"][method]["average"]
 
 
-def pooled_ruler(run_dirs: list[str], method: str) -> dict:
+def pooled_ruler(run_dirs: list[str], method: str, answers: dict | None = None) -> dict:
     """The RULER-style average of ``method`` over the pooled contexts of several runs, its 95% bootstrap interval
-    (each task's contexts resampled) and the fewest contexts of any task."""
-    scores = {task: list(by_key.values()) for task, by_key in pooled_scores(list(run_dirs), method).items()}
+    (each task's contexts resampled) and the fewest contexts of any task. ``answers``: the expected answers of the
+    runs' contexts, remembered across calls (:func:`eval.ruler_paired.example_scores`)."""
+    pooled = pooled_scores(list(run_dirs), method, answers)
+    scores = {task: list(by_key.values()) for task, by_key in pooled.items()}
     interval = paired_difference(scores, {task: [0.0] * len(values) for task, values in scores.items()})
     contexts = min(len(values) for values in scores.values())
     return dict(average=interval["first"], low=interval["low"], high=interval["high"], contexts=contexts)
@@ -138,6 +140,7 @@ def collect(points_file: str) -> dict:
     base_log, base_label = spec.baseline_prefill
     base_cpu, base_peak = prefill_cost(base_log, base_label)
     kept_kl = float(spec.kl_kept)
+    answers: dict = {}  # one table's runs share a few context settings: each is rebuilt once
     rows = []
     for point in spec.points:
         row = dict(
@@ -147,7 +150,7 @@ def collect(points_file: str) -> dict:
             if isinstance(runs, str):
                 row["ruler"][str(kept)] = ruler_average(runs, method)
             else:
-                pooled = pooled_ruler(runs, method)
+                pooled = pooled_ruler(runs, method, answers)
                 row["ruler"][str(kept)] = pooled.pop("average")
                 row["ruler_interval"][str(kept)] = pooled
         kl = point.get("kl")

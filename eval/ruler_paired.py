@@ -24,18 +24,23 @@ from kvcompress.ruler.scoring import example_score, paired_difference
 from kvcompress.ruler.tasks import TASKS
 
 
-def example_scores(run_dir: str, method: str) -> dict[str, dict[str, float]]:
-    """task -> context key -> the context's RULER score x 100 of ``method`` in a run directory."""
+def example_scores(run_dir: str, method: str, answers: dict | None = None) -> dict[str, dict[str, float]]:
+    """task -> context key -> the context's RULER score x 100 of ``method`` in a run directory. ``answers``: a dict
+    the caller keeps across calls, which then remembers each (context settings, task)'s expected answers, so that
+    runs made with the same settings rebuild their contexts once (the tokenizer and generator take seconds)."""
     run = Path(run_dir)
     settings = json.loads((run / "run.json").read_text())["settings"]
     argv = ["--benchmark", "ruler", "--length", str(settings["length"]), "--seed", str(settings["seed"])]
-    argv += ["--tasks", *settings["tasks"], "--methods", method]
+    argv += ["--tasks", *settings["tasks"]]
     argv += ["--model", settings["model"]] if settings.get("model") else []
     argv += ["--limit", str(settings["limit"])] if settings.get("limit") else []
-    cfg = parse_config(argv)
+    cfg = parse_config([*argv, "--methods", method])
+    answers = {} if answers is None else answers
     scores: dict[str, dict[str, float]] = {}
     for task in task_list(cfg):
-        expected = {example.key: example.expected for example in select(load_task(task, cfg), cfg)}
+        if (task, *argv) not in answers:
+            answers[(task, *argv)] = {example.key: example.expected for example in select(load_task(task, cfg), cfg)}
+        expected = answers[(task, *argv)]
         path = run / "predictions" / method / f"{task}.jsonl"
         if not path.exists():
             raise ValueError(f"{run_dir}: no predictions of {method!r} for {task} ({path})")
@@ -45,12 +50,13 @@ def example_scores(run_dir: str, method: str) -> dict[str, dict[str, float]]:
     return scores
 
 
-def pooled_scores(run_dirs: list[str], method: str) -> dict[str, dict[str, float]]:
+def pooled_scores(run_dirs: list[str], method: str, answers: dict | None = None) -> dict[str, dict[str, float]]:
     """:func:`example_scores` of several runs of one setting, each task's contexts joined; a context scored by two
-    of the runs (the same seed twice) is an error, not a double count."""
+    of the runs (the same seed twice) is an error, not a double count. ``answers``: as :func:`example_scores`'s."""
     pooled: dict[str, dict[str, float]] = {}
+    answers = {} if answers is None else answers
     for run_dir in run_dirs:
-        for task, scores in example_scores(run_dir, method).items():
+        for task, scores in example_scores(run_dir, method, answers).items():
             twice = sorted(set(pooled.get(task, {})) & set(scores))
             if twice:
                 raise ValueError(

@@ -122,7 +122,13 @@ def test_pooled_runs_give_the_pooled_average_its_interval_and_the_kl_bound_count
         tasks = ("niah_single", "qa")
         return {task: [Example(f"{task}-{seed}-{i}", [[f"{task}{seed}{i}"]]) for i in range(4)] for task in tasks}
 
-    monkeypatch.setattr(ruler_paired, "load_task", lambda task, cfg: contexts(cfg.seed)[task])
+    built = []  # (task, seed) of each context set the generator builds
+
+    def load_task(task, cfg):
+        built.append((task, cfg.seed))
+        return contexts(cfg.seed)[task]
+
+    monkeypatch.setattr(ruler_paired, "load_task", load_task)
     monkeypatch.setattr(ruler_paired, "select", lambda examples, cfg: examples[: cfg.limit])
     runs = [write_run(tmp_path / f"r{seed}", "compresskv", seed, 4, contexts(seed), right=right)
             for seed, right in ((0, 3), (1, 1))]  # fmt: skip
@@ -149,7 +155,10 @@ def test_pooled_runs_give_the_pooled_average_its_interval_and_the_kl_bound_count
     (tmp_path / "points.yaml").write_text(yaml.safe_dump(points))
     out = tmp_path / "out"
     assert frontier.main(["--points", str(tmp_path / "points.yaml"), "--output-dir", str(out)]) == 0
-    pooled, fewer, _ = json.loads((out / "frontier.json").read_text())["points"]
+    pooled, fewer, same = json.loads((out / "frontier.json").read_text())["points"]
+    # three context settings (seed 0 limit 4, seed 1 limit 4, seed 0 limit 2) x two tasks, each built once
+    assert sorted(built) == sorted([(t, s) for t in ("niah_single", "qa") for s in (0, 1, 0)])
+    assert same["ruler"] == pooled["ruler"] and same["ruler_interval"] == pooled["ruler_interval"]
     assert pooled["ruler"]["0.25"] == pytest.approx(100 * 4 / 8)  # 3 + 1 of 8 contexts right in each task
     interval = pooled["ruler_interval"]["0.25"]
     assert interval["contexts"] == 8 and interval["low"] < 50 < interval["high"]
