@@ -6,25 +6,37 @@
 #
 #   OUT=$OUT/g DEADLINE_S=540 bash scripts/gpu_session.sh
 #
-# STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: all, in the order below);
-# SETTINGS_32K / SETTINGS_64K change the breakdowns' settings (eval/speed/prefill.py's names).
+# STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below, in that order; the
+# seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers);
+# SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
-# Steps: the fused attention's log-sum-exp hand-over (which kernel sdpa picks, and each operator's time and error, for
-# a 32k prefill and a repeat chunk; `python -m eval.probe_flash_lse`) and its tests compiled; the prefill breakdown at 32k per setting (issue 20's goals: the default <= 1.3x no press, the "thorough"
-# point <= 2.2x, peak <= SnapKV's + 5%, the fit <= 5% of the prefill); every Triton kernel's tests compiled on CUDA
-# (and the CUDA-graph decode against eager); the host-device syncs of one prefill; decode steps and one layer's
-# attention call at 32k, batch 1 and 8 (DECODE_LAYERS of the model's 28 layers, default 4: inductor compiles three
-# graphs per batch size); the multi-token weighted attention's backends; its tiles; the breakdown at 64k.
+# Steps, by name:
+#   lse_prefill     which kernel sdpa picks for a 32k causal prefill and each fused operator's time and error
+#                   with its log-sum-exp (`python -m eval.probe_flash_lse --context 0`; the induction prior's path)
+#   prefill_32768   the prefill breakdown at 32k, every setting of README's table that has one (issue 20's goals:
+#                   the default <= 1.3x no press, the "thorough" point <= 2.2x, peak <= SnapKV's + 5%, the fit <= 5%)
+#   prefill_65536   the same at 64k (the default, balanced(): peak and cost where the quadratic parts grow)
+#   kernel_tests    every Triton kernel's tests compiled on CUDA (and the CUDA-graph decode against eager)
+#   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal)
+#   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (DECODE_LAYERS of the
+#                   model's 28 layers, default 4: inductor compiles three graphs per batch size)
+#   speed_kernels   copy bandwidth, compress_kv's and the weighted decode's rooflines (`--only kernels`)
+#   weighted_prefill  the multi-token weighted attention's backends (Triton, PyTorch, FlexAttention)
+#   prefill_8192    the breakdown at 8k (where the host's launches weigh most)
+#   tiles           the weighted attention's tiles against the spill-free ones
+#   syncs           the host-device syncs of one prefill per setting
+#   lse_chunk, attention_tests   the repeat chunk's split attention: the operators' probe and its tests compiled
 # Logs and JSON go to $OUT, packed into $OUT.tgz after every step (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/gpu_session}
 DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
-SETTINGS_32K=${SETTINGS_32K:-none snapkv default window_novelty balanced balanced_eighth thorough}
+SETTINGS_32K=${SETTINGS_32K:-none snapkv default balanced balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default balanced}
-STEPS=${STEPS:-lse_prefill lse_chunk attention_tests prefill_32768 kernel_tests syncs decode_32768_b1 \
-weighted_prefill decode_32768_b8 tiles prefill_65536}
+SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
+STEPS=${STEPS:-lse_prefill prefill_32768 prefill_65536 kernel_tests bench_fit decode_32768_b1 decode_32768_b8 \
+speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -63,16 +75,17 @@ cat "$OUT/environment.txt"
 
 step lse_prefill 40 $PY -m eval.probe_flash_lse --context 0 --chunk 32768 --output "$OUT/lse_prefill.json"
 cat "$OUT/lse_prefill.log" 2>/dev/null
-step lse_chunk 40 $PY -m eval.probe_flash_lse --output "$OUT/lse_chunk.json"
-cat "$OUT/lse_chunk.log" 2>/dev/null
-step attention_tests 60 $PY -m pytest -q -p no:cacheprovider tests/test_repeat_attention.py
-tail -3 "$OUT/attention_tests.log" 2>/dev/null
 
 # shellcheck disable=SC2086  # the settings are words
-step prefill_32768 230 $PY -m eval.speed --only prefill --breakdown-lengths 32768 --e2e-repeats 2 \
+step prefill_32768 240 $PY -m eval.speed --only prefill --breakdown-lengths 32768 --e2e-repeats 2 \
     --breakdown-settings $SETTINGS_32K --output "$OUT/prefill_32768.json"
-grep -A12 "breakdown per setting" "$OUT/prefill_32768.log" 2>/dev/null
+grep -A14 "breakdown per setting" "$OUT/prefill_32768.log" 2>/dev/null
 grep -A4 "attention mass of one layer" "$OUT/prefill_32768.log" 2>/dev/null
+
+# shellcheck disable=SC2086
+step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
+    --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
+grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
 
 step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
     tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
@@ -80,26 +93,37 @@ step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kerne
     tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
 grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" 2>/dev/null | tail -15
 
-step syncs 45 $PY -m eval.probe_syncs --output "$OUT/syncs.json"
-grep -v "^ " "$OUT/syncs.log" 2>/dev/null | tail -12
+step bench_fit 90 $PY -m eval.bench_fit --contexts 32768 --queries 64 320 --backends torch triton --profile \
+    --output "$OUT/bench_fit.json"
+head -12 "$OUT/bench_fit.log" 2>/dev/null
 
 for batch in 1 8; do
     step "decode_32768_b$batch" 110 $PY -m eval.speed --only decode --decode-contexts 32768 \
         --decode-batch-sizes "$batch" --model-layers "$DECODE_LAYERS" --output "$OUT/decode_32768_b$batch.json"
     grep -A30 "greedy decode step" "$OUT/decode_32768_b$batch.log" 2>/dev/null
-    if [ "$batch" = 1 ]; then
-        step weighted_prefill 80 $PY -m eval.bench_weighted_prefill --contexts 8192 32768 --new-tokens 64 512 \
-            --repeats 20 --output "$OUT/weighted_prefill.json"
-        tail -14 "$OUT/weighted_prefill.log" 2>/dev/null
-    fi
 done
+
+step speed_kernels 120 $PY -m eval.speed --only kernels --output "$OUT/speed_kernels.json"
+grep -B2 -A40 "bandwidth:" "$OUT/speed_kernels.log" 2>/dev/null | tail -45
+
+step weighted_prefill 80 $PY -m eval.bench_weighted_prefill --contexts 8192 32768 --new-tokens 64 512 \
+    --repeats 20 --output "$OUT/weighted_prefill.json"
+tail -14 "$OUT/weighted_prefill.log" 2>/dev/null
+
+# shellcheck disable=SC2086
+step prefill_8192 90 $PY -m eval.speed --only prefill --breakdown-lengths 8192 --e2e-repeats 3 \
+    --breakdown-settings $SETTINGS_8K --output "$OUT/prefill_8192.json"
+grep -A10 "breakdown per setting" "$OUT/prefill_8192.log" 2>/dev/null
 
 step tiles 70 $PY -m eval.bench_weighted_prefill --contexts 32768 --new-tokens 1 16 128 512 --backends triton \
     --tiles 16x64x8 16x32x8 32x32x8 64x16x8 64x64x8 --repeats 20 --output "$OUT/tiles.json"
 tail -24 "$OUT/tiles.log" 2>/dev/null
 
-# shellcheck disable=SC2086
-step prefill_65536 200 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
-    --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
-grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
+step syncs 45 $PY -m eval.probe_syncs --output "$OUT/syncs.json"
+grep -v "^ " "$OUT/syncs.log" 2>/dev/null | tail -12
+
+step lse_chunk 40 $PY -m eval.probe_flash_lse --output "$OUT/lse_chunk.json"
+cat "$OUT/lse_chunk.log" 2>/dev/null
+step attention_tests 60 $PY -m pytest -q -p no:cacheprovider tests/test_repeat_attention.py
+tail -3 "$OUT/attention_tests.log" 2>/dev/null
 echo "done in $SECONDS s"
