@@ -114,7 +114,8 @@ def handing_over_prefill_rows() -> Iterator[None]:
     """Inside (a press whose prior reads every prefill query, ``"induction"``): an unpadded causal prefill call runs
     an attention that also returns its row log-sum-exp (the fused kernel sdpa itself picks: cuDNN or flash on CUDA,
     flash on CPU) and hands the call's post-RoPE queries and that log-sum-exp to :func:`take_prefill_rows`, so the
-    prior needs neither a query projection nor an attention pass of its own, and the prefill runs no slower kernel."""
+    prior needs neither a query projection nor an attention pass of its own, and the prefill runs the kernel a
+    no-press prefill runs (writing its log-sum-exp too: 12.6 against 11.4 ms a layer at 32k on an H200)."""
     token = _PREFILL_ROWS.set({})
     try:
         yield
