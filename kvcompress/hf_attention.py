@@ -42,7 +42,7 @@ def new_tokens_see_all_cached() -> Iterator[None]:
     """Inside: every call's new tokens see every cached row and each other causally (no padding, no window).
 
     Multi-token calls over uncompressed, full-attention layers then skip transformers' explicit mask for a
-    lower-right causal sdpa: on CUDA its flash kernel with grouped-query heads, where the explicit mask
+    lower-right causal sdpa: on CUDA a fused kernel with grouped-query heads, where the explicit mask
     forces a copy of the keys and values per query head and the slower masked kernel. Only a caller that
     knows the mask is exactly that may enter (the repeat pass: one unpadded row after its context).
     """
