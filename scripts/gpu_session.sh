@@ -20,6 +20,8 @@
 #   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal)
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (DECODE_LAYERS of the
 #                   model's 28 layers, default 4: inductor compiles three graphs per batch size)
+#   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
+#                   37-40 ms (4 layers, the seventeenth session) are cuDNN building a plan per new key length
 #   speed_kernels   copy bandwidth, compress_kv's and the weighted decode's rooflines (`--only kernels`)
 #   weighted_prefill  the multi-token weighted attention's backends (Triton, PyTorch, FlexAttention)
 #   prefill_8192    the breakdown at 8k (where the host's launches weigh most)
@@ -36,7 +38,7 @@ SETTINGS_32K=${SETTINGS_32K:-none snapkv default balanced balanced_eighth thorou
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
 STEPS=${STEPS:-lse_prefill prefill_32768 prefill_65536 kernel_tests bench_fit decode_32768_b1 decode_32768_b8 \
-speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests}
+decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -102,6 +104,9 @@ for batch in 1 8; do
         --decode-batch-sizes "$batch" --model-layers "$DECODE_LAYERS" --output "$OUT/decode_32768_b$batch.json"
     grep -A30 "greedy decode step" "$OUT/decode_32768_b$batch.log" 2>/dev/null
 done
+step decode_nocudnn 110 $PY -m eval.speed --only decode --decode-contexts 32768 --decode-batch-sizes 1 \
+    --model-layers "$DECODE_LAYERS" --no-cudnn-sdpa --output "$OUT/decode_nocudnn.json"
+grep -A9 "greedy decode step" "$OUT/decode_nocudnn.log" 2>/dev/null
 
 step speed_kernels 120 $PY -m eval.speed --only kernels --output "$OUT/speed_kernels.json"
 grep -B2 -A40 "bandwidth:" "$OUT/speed_kernels.log" 2>/dev/null | tail -45

@@ -112,3 +112,19 @@ def test_backend_keyword_is_passed_when_present(tmp_path: Path, monkeypatch: pyt
 def test_cpu_without_smoke_is_refused() -> None:
     with pytest.raises(RuntimeError, match="--smoke"):
         speed.main(["--device", "cpu", "--only", "bandwidth"])
+
+
+@pytest.mark.parametrize("flags, during", [([], True), (["--no-cudnn-sdpa"], False)])
+def test_no_cudnn_sdpa_holds_for_the_run_only(flags, during, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--no-cudnn-sdpa`` keeps sdpa off its cuDNN kernel while the sections run (what the stock decode rows cost
+    without a cuDNN plan per key length) and gives torch its own setting back after; without it torch's stays."""
+    import torch
+
+    from eval.speed import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "run", lambda cfg, *args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or 0)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert speed.main([*TINY, *flags]) == 0
+    assert seen == [during and before] and torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert speed.resolve_config([*TINY, *flags]).cudnn_sdpa is during

@@ -26,13 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[cfg.dtype]
     output = Path(cfg.output or ("results/speed/speed_smoke.json" if cfg.smoke else "results/speed/speed.json"))
     print(f"config: {asdict(cfg)}")
-    threads = torch.get_num_threads()
+    threads, cudnn = torch.get_num_threads(), torch.backends.cuda.cudnn_sdp_enabled()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    torch.backends.cuda.enable_cudnn_sdp(cudnn and cfg.cudnn_sdpa)
     try:
         return run(cfg, device, dtype, output)
     finally:
         torch.set_num_threads(threads)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
 def run(cfg: Config, device: torch.device, dtype: torch.dtype, output: Path) -> int:

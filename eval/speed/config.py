@@ -131,6 +131,9 @@ class Config:
     decode_step_warmup: int = 4
     compile_mode: str = "reduce-overhead"  # CUDA graphs; "default" / "max-autotune-no-cudagraphs" also valid
     compile_backend: str = "inductor"
+    # False: sdpa never picks cuDNN (torch >= 2.11 prefers it on Hopper; it builds a plan per new key length, which a
+    # decode step over a growing cache may pay every step): what the stock eager rows cost without it
+    cudnn_sdpa: bool = True
 
 
 
@@ -173,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, help="decode section: timed steps per variant (default 32)")
     p.add_argument("--compile-mode", help="decode section: torch.compile mode (default reduce-overhead)")
     p.add_argument("--compile-backend", help="decode section: torch.compile backend (default inductor)")
+    p.add_argument("--no-cudnn-sdpa", dest="cudnn_sdpa", action="store_false", default=None,
+                   help="sdpa never picks its cuDNN kernel in this run (default: torch's own choice)")
     return p
 
 
