@@ -32,15 +32,25 @@ def _probabilities(
     return prob.div_(prob.sum(-1, keepdim=True))
 
 
-def _layout(owner: torch.Tensor, bins: int, k: int, span: int) -> tuple[torch.Tensor, int]:
-    """Blocks of ``span`` positions (a multiple of ``k``) for the right-hand sides: each block's first bin
-    ``[P, blocks]`` (protected-only blocks: clamped, their products are zeroed later) and how many bins a block can
-    meet (:func:`_bins_met`)."""
-    problems, n = owner.shape
-    count = -(-n // span)
-    owner_blocks = torch.nn.functional.pad(owner, (0, count * span - n), value=-1).reshape(problems, count, span)
-    lows = owner_blocks.masked_fill(owner_blocks < 0, bins - 1).amin(-1)
-    return lows, _bins_met(k, span)
+@dataclass
+class _Layout:
+    """Blocks of ``span`` positions (a multiple of ``k``) for the right-hand sides: ``owners [P, blocks, span]`` each
+    position's bin (-1: protected or past the end), ``lows [P, blocks]`` each block's first bin (protected-only
+    blocks: clamped, their products are zeroed later), ``touched`` how many bins a block can meet
+    (:func:`_bins_met`)."""
+
+    owners: torch.Tensor
+    lows: torch.Tensor
+    span: int
+    touched: int
+
+    @staticmethod
+    def of(owner: torch.Tensor, bins: int, k: int, span: int) -> _Layout:
+        problems, n = owner.shape
+        count = -(-n // span)
+        owners = torch.nn.functional.pad(owner, (0, count * span - n), value=-1).reshape(problems, count, span)
+        lows = owners.masked_fill(owners < 0, bins - 1).amin(-1)
+        return _Layout(owners, lows, span, _bins_met(k, span))
 
 
 def _bins_met(k: int, span: int) -> int:
@@ -50,9 +60,10 @@ def _bins_met(k: int, span: int) -> int:
 
 
 def _torch_block_products(prob: torch.Tensor, a: torch.Tensor, bins: int, k: int, width: int):
-    """The block products of :func:`_sums` from held probabilities ``prob [P, M, n]`` (blocks of ``k`` positions):
-    ``products(first, last, lows)`` gives blocks ``first:last``' ``[P, c, k, width]``, with ``lows`` their first
-    bins, the kept rows' probabilities ``a [P, M, T * k]`` gathered per block (one matmul over the queries each)."""
+    """The block products of :func:`_right_hand_sides` from held probabilities ``prob [P, M, n]`` (blocks of ``k``
+    positions): ``products(first, last, lows)`` gives blocks ``first:last``' ``[P, c, k, width]``, with ``lows`` their
+    first bins, the kept rows' probabilities ``a [P, M, T * k]`` gathered per block (one matmul over the queries
+    each)."""
     problems, m, n = prob.shape
     a_rows = a.transpose(1, 2)  # [P, T * k, M]
     columns = torch.arange(width, device=prob.device)
@@ -71,72 +82,77 @@ def _torch_block_products(prob: torch.Tensor, a: torch.Tensor, bins: int, k: int
     return products
 
 
-def _sums(
-    a: torch.Tensor,
-    owner: torch.Tensor,
-    values: torch.Tensor,
-    bins: int,
-    k: int,
-    span: int,
-    products,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normal-equation pieces of one query set: Gram ``[P, T, k, k]``, mass rhs ``[P, T, k]``, value rhs
-    ``[P, T, k, d]``, float64 (the products behind them float32). ``a [P, M, T * k]``: the queries' probabilities
-    at the (padded) kept rows; ``values [P, n, d]`` float32; ``owner [P, n]``: bin of each position (-1: protected),
-    non-decreasing along positions. ``products(first, last, lows)``: blocks ``first:last`` of ``span`` positions
-    against the ``width`` kept rows from each block's first bin ``lows``, ``c[P, c, span, width]`` with
-    ``c_ji = sum_q p_j(q) a_i(q)`` (:func:`_torch_block_products`, or the fused kernel's).
+def _gram(a: torch.Tensor, bins: int, k: int) -> torch.Tensor:
+    """Gram matrices ``[P, T, k, k]`` float64 of the kept rows' probabilities ``a [P, M, T * k]`` (float32 products)
+    per bin: ``G_t = sum_q a_t(q) a_t(q)^T``."""
+    problems, m = a.shape[:2]
+    blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)  # [P, T, k, M]
+    return (blocks @ blocks.transpose(-1, -2)).double()
+
+
+def _right_hand_sides(
+    layout: _Layout, values: torch.Tensor, bins: int, k: int, products
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mass rhs ``[S, P, T, k]`` and value rhs ``[S, P, T, k, d]`` float64 (the products behind them float32) of
+    ``S`` sets of queries. ``values [P, n, d]`` float32. ``products(first, last, lows)``: blocks ``first:last`` of
+    ``span`` positions against the ``width`` kept rows from each block's first bin ``lows``, ``[P, S, c, span,
+    width]`` with ``c_ji = sum_q p_j(q) a_i(q)`` over one set's queries (:func:`_torch_block_products`, or the
+    fused kernel's).
 
     With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
     ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``: per
-    block, only the few bins it can meet (:func:`_layout`), so ``O(n M width)`` work in all, static shapes, no
-    device sync.
+    block, only the few bins it can meet, so ``O(n M width)`` work in all, static shapes, no device sync.
     """
-    problems, m = a.shape[:2]
-    n, d = values.shape[1:]
-    blocks = a.reshape(problems, m, bins, k).permute(0, 2, 3, 1)  # [P, T, k, M]
-    gram = (blocks @ blocks.transpose(-1, -2)).double()
-    mass = a.new_zeros(problems, bins, k)
-    value_rhs = a.new_zeros(problems, bins, k, d)
-    lows, touched = _layout(owner, bins, k, span)
+    problems, n, d = values.shape
+    span, touched, lows = layout.span, layout.touched, layout.lows
     width = touched * k
     count = lows.shape[1]
-    owner = torch.nn.functional.pad(owner, (0, count * span - n), value=-1)
-    columns = torch.arange(touched, device=a.device)
-    column_bins = torch.arange(width, device=a.device) // k  # each product column's bin among a block's
-    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, width * d, width * span)))
+    mass = value_rhs = None
+    columns = torch.arange(touched, device=values.device)
+    column_bins = torch.arange(width, device=values.device) // k  # each product column's bin among a block's
+    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * span, width * d)))
     for first in range(0, count, step):
         last = min(count, first + step)
         chunk = last - first
         low = lows[:, first:last]  # [P, c]
-        c_all = products(first, last, low)
-        positions = slice(first * span, last * span)
-        chunk_values = values[:, positions]
+        c_all = products(first, last, low)  # [P, S, c, span, u * k]
+        sets = c_all.shape[1]
+        if mass is None:
+            mass = values.new_zeros(problems, sets, bins, k)
+            value_rhs = values.new_zeros(problems, sets, bins, k, d)
+        chunk_values = values[:, first * span : last * span]
         tail = last * span - min(n, last * span)
         if tail:
             chunk_values = torch.nn.functional.pad(chunk_values, (0, 0, 0, tail))
-        owners = owner[:, positions].reshape(problems, chunk, span)
+        owners = layout.owners[:, first:last]
         # Each position's products with its own bin's kept rows only (its bin among the block's: owner - low).
         own = (column_bins == (owners - low[..., None])[..., None]) & (owners >= 0)[..., None]
-        split = torch.where(own, c_all, 0.0)  # [P, c, span(positions), u * k]
+        split = torch.where(own[:, None], c_all, 0.0)  # [P, S, c, span(positions), u * k]
         # Per block and nearby bin: sum over its positions of c (mass) and of c v (values), one small product.
-        block_mass = split.sum(2).reshape(problems, chunk * touched, k)
-        block_values = split.transpose(-1, -2) @ chunk_values.reshape(problems, chunk, span, d)  # [P, c, u * k, d]
-        target = (low[..., None] + columns).clamp_max(bins - 1).reshape(problems, chunk * touched)
-        mass.scatter_add_(1, target[..., None].expand(-1, -1, k), block_mass)
+        block_mass = split.sum(3).reshape(problems, sets, chunk * touched, k)
+        block_values = split.transpose(-1, -2) @ chunk_values.reshape(problems, 1, chunk, span, d)  # [P,S,c,u*k,d]
+        target = (low[..., None] + columns).clamp_max(bins - 1).reshape(problems, 1, chunk * touched)
+        mass.scatter_add_(2, target[..., None].expand(-1, sets, -1, k), block_mass)
         value_rhs.scatter_add_(
-            1, target[..., None, None].expand(-1, -1, k, d), block_values.reshape(problems, chunk * touched, k, d)
+            2,
+            target[..., None, None].expand(-1, sets, -1, k, d),
+            block_values.reshape(problems, sets, chunk * touched, k, d),
         )
-    return gram, mass.double(), value_rhs.double()
+    return mass.double().movedim(1, 0), value_rhs.double().movedim(1, 0)
 
 
 def held_sums(
     prob: torch.Tensor, kept_prob: torch.Tensor, owner: torch.Tensor, values: torch.Tensor, bins: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_sums` from held probabilities ``prob [P, M, n]`` (blocks of ``k`` positions)."""
-    return _sums(
-        kept_prob, owner, values, bins, k, k, _torch_block_products(prob, kept_prob, bins, k, _bins_met(k, k) * k)
+    """One query set's Gram ``[P, T, k, k]``, mass rhs ``[P, T, k]`` and value rhs ``[P, T, k, d]`` (float64) from
+    held probabilities ``prob [P, M, n]`` (blocks of ``k`` positions); ``kept_prob [P, M, T * k]`` their kept rows'
+    (padded) columns, ``owner [P, n]`` each position's bin (-1: protected), non-decreasing along positions."""
+    layout = _Layout.of(owner, bins, k, k)
+    block_products = _torch_block_products(prob, kept_prob, bins, k, layout.touched * k)
+    mass, value_rhs = _right_hand_sides(
+        layout, values, bins, k, lambda first, last, lows: block_products(first, last, lows)[:, None]
     )
+    return _gram(kept_prob, bins, k), mass[0], value_rhs[0]
 
 
 def _check_parts(kept_prob, exact, guarded, guarded_values) -> tuple:
@@ -162,40 +178,46 @@ class KeptBins:
 
 def normal_equations(
     kernels,
-    queries: torch.Tensor,
-    positions: torch.Tensor | None,
+    query_sets: list[tuple[torch.Tensor, torch.Tensor | None]],
     keys: torch.Tensor,
     values: torch.Tensor,
     flat_values: torch.Tensor,
     scaling: float,
     kept: KeptBins,
 ) -> tuple[list, tuple]:
-    """One query set's Gram ``[P, T, k, k]``, mass and value right-hand sides (float64, :func:`_sums`) and its
-    validation parts (:func:`_check_parts`, float32). queries ``[P, M, d]`` with ``positions [M]`` (or None: every
-    row), keys ``[P, n, d]`` and values ``[P, n, d_v]`` in the context's dtype, ``flat_values`` the values in
-    float32. ``kernels``: :func:`fused_kernels`'s module, or None for the held probabilities."""
+    """The sets of reference queries ``(queries [P, M_s, d], positions [M_s] or None: every row)``' Grams ``[S, P, T,
+    k, k]``, mass and value right-hand sides (float64, :func:`_gram`, :func:`_right_hand_sides`) and the validation
+    parts of every set's rows in turn (:func:`_check_parts`, float32). keys ``[P, n, d]`` and values ``[P, n, d_v]``
+    in the context's dtype, ``flat_values`` the values in float32. ``kernels``: :func:`fused_kernels`'s module (every
+    set in one pass: each set but the last must have the first one's row count), or None for the held
+    probabilities (one set at a time)."""
     if kernels is not None:
-        return _fused_equations(kernels, queries, positions, keys, values, flat_values, scaling, kept)
+        return _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, kept)
     padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
     problems, n, dim = keys.shape
     flat_keys = keys.float()  # a view when the caller already converted them (fitting._fit, once for both halves)
     guarded_values = flat_values.index_select(1, protected_rows)
     step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
-    total, chunks = None, []
-    for first in range(0, queries.shape[1], step):
-        prob = _probabilities(
-            queries[:, first : first + step],
-            flat_keys,
-            scaling,
-            None if positions is None else positions[first : first + step],
-        )
-        kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
-        part = held_sums(prob, kept_prob, owner, flat_values, kept.count, kept.k)
-        total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
-        guarded = prob.index_select(2, protected_rows)  # [P, M, p]
-        chunks.append(_check_parts(kept_prob[..., : kept.r], prob @ flat_values, guarded, guarded_values))
-        del prob, kept_prob
-    return total, tuple(torch.cat(parts, 1) for parts in zip(*chunks, strict=True))
+    sums, checks = [], []
+    for queries, positions in query_sets:
+        total, chunks = None, []
+        for first in range(0, queries.shape[1], step):
+            prob = _probabilities(
+                queries[:, first : first + step],
+                flat_keys,
+                scaling,
+                None if positions is None else positions[first : first + step],
+            )
+            kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
+            part = held_sums(prob, kept_prob, owner, flat_values, kept.count, kept.k)
+            total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
+            guarded = prob.index_select(2, protected_rows)  # [P, M, p]
+            chunks.append(_check_parts(kept_prob[..., : kept.r], prob @ flat_values, guarded, guarded_values))
+            del prob, kept_prob
+        sums.append(total)
+        checks.extend(chunks)
+    parts = tuple(torch.cat(part, 1) for part in zip(*checks, strict=True))
+    return [torch.stack(part) for part in zip(*sums, strict=True)], parts
 
 
 def fused_kernels(keys: torch.Tensor, values: torch.Tensor, k: int, backend: str):
@@ -244,20 +266,32 @@ def _probabilities_at(
     return prob
 
 
-def _fused_equations(kernels, queries, positions, keys, values, flat_values, scaling, kept: KeptBins) -> tuple:
-    """:func:`normal_equations` from the fused kernels, never holding the ``[P, M, n]`` probabilities: the rows'
-    log-sum-exp and exact outputs in one pass, the kept and protected rows' probabilities as small products, the
-    blocks' products against the kept rows in a second pass."""
-    dim, k = queries.shape[-1], kept.k
+def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, kept: KeptBins) -> tuple[list, tuple]:
+    """:func:`normal_equations` from the fused kernels, never holding the ``[P, M, n]`` probabilities: every set's
+    rows in one pass for the rows' log-sum-exp and exact outputs, the kept and protected rows' probabilities as
+    small products, the blocks' products per set in a second pass."""
+    dim, k = keys.shape[-1], kept.k
     padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
     span, width = fused_block(k)
-    lows = _layout(owner, kept.count, k, span)[0]
+    layout = _Layout.of(owner, kept.count, k, span)
+    counts = [queries.shape[1] for queries, _ in query_sets]
+    if any(count != counts[0] for count in counts[:-1]) or counts[-1] > counts[0]:
+        raise ValueError(f"query_sets: every set but the last must have the first one's rows, got {counts}")
+    queries = torch.cat([queries for queries, _ in query_sets], 1) if len(query_sets) > 1 else query_sets[0][0]
+    has_positions = [positions is not None for _, positions in query_sets]
+    if any(has_positions) and not all(has_positions):
+        raise ValueError("query_sets: positions must be given for every set or for none")
+    positions = torch.cat([positions for _, positions in query_sets]) if all(has_positions) else None
     lse, exact = kernels.attention_rows(queries, keys, values, scaling, positions)
-    kept_keys = keys.gather(1, padded[..., None].expand(-1, -1, dim))
-    kept_prob = _probabilities_at(queries, kept_keys, padded, lse, scaling, positions)  # [P, M, T * k]
-    guarded = _probabilities_at(queries, keys.index_select(1, protected_rows), protected_rows, lse, scaling, positions)
+    # The kept and protected rows' probabilities from one product over both key lists.
+    rows = torch.cat([padded, protected_rows.expand(padded.shape[0], -1)], 1)  # [P, T * k + p]
+    row_keys = keys.gather(1, rows[..., None].expand(-1, -1, dim))
+    prob = _probabilities_at(queries, row_keys, rows, lse, scaling, positions)
+    kept_prob, guarded = prob[..., : padded.shape[1]], prob[..., padded.shape[1] :]  # [P, M, T * k], [P, M, p]
     blocks = kernels.block_products(
-        queries, keys, scaling, positions, lse, kept_prob, lows, k, span, width
-    )  # [P, blocks, span, width]
-    sums = _sums(kept_prob, owner, flat_values, kept.count, k, span, lambda first, last, _: blocks[:, first:last])
-    return sums, _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))
+        queries, keys, scaling, positions, lse, kept_prob, layout.lows, k, span, width, set_rows=counts[0]
+    )  # [P, sets, blocks, span, width]
+    mass, value_rhs = _right_hand_sides(layout, flat_values, kept.count, k, lambda f, la, _: blocks[:, :, f:la])
+    parts = _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))
+    grams = [_gram(rows, kept.count, k) for rows in kept_prob.split(counts, 1)]
+    return [torch.stack(grams), mass, value_rhs], parts

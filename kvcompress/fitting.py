@@ -94,8 +94,9 @@ def _solve(
     fit_values: bool,
     max_log_weight: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ridge solve toward ``w = 1``, ``V_S = w v`` in float64; padded slots stay at the prior. Returns
-    ``[P, T, k]``, ``[P, T, k, d]``."""
+    """Ridge solve toward ``w = 1``, ``V_S = w v`` in float64; padded slots stay at the prior. Systems ``[..., P, T,
+    k, k]`` with any leading dimensions (the held-out and the full fit in one batch); returns ``[..., P, T, k]``,
+    ``[..., P, T, k, d]``."""
     k = gram.shape[-1]
     diag = gram.diagonal(dim1=-2, dim2=-1)
     scale = diag.mean(dim=(-1, -2), keepdim=True).clamp_min(1e-300)[..., None]  # per problem
@@ -123,34 +124,39 @@ def _solve(
 
 
 @dataclass
-class _QuerySet:
-    """One set of reference queries, precomputed to score candidate fits (float32): the kept rows' probabilities
+class _QuerySets:
+    """Sets of reference queries, precomputed to score candidate fits (float32): the kept rows' probabilities
     ``[P, M, r]``, the exact outputs ``[P, M, d]`` and the protected rows' numerators ``[P, M, d]`` and
-    denominators ``[P, M]``."""
+    denominators ``[P, M]``, the rows of set s after those of sets before it (``counts``: rows per set)."""
 
     kept_prob: torch.Tensor
     exact: torch.Tensor
     numerator: torch.Tensor
     denominator: torch.Tensor
+    counts: list[int]
 
     @staticmethod
     def stack(candidates: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """C candidate fits ``(weights [P, r], kept_values [P, r, d])`` float32 as one ``[P, r, C (d + 1)]``
         matrix for :meth:`errors`, its width padded to a multiple of 8 (cuBLAS's tensor-core kernels need it to run
-        at speed: 129 columns ran at about 3 TFLOP/s on an H100); built once for every query set."""
-        stacked = torch.cat([torch.cat([v, w[..., None]], -1) for w, v in candidates], -1)
-        return torch.nn.functional.pad(stacked, (0, -stacked.shape[-1] % 8))
+        at speed: 129 columns ran at about 3 TFLOP/s on an H100)."""
+        columns = [part for w, v in candidates for part in (v, w[..., None])]
+        width = sum(part.shape[-1] for part in columns)
+        if width % 8:
+            columns.append(columns[0].new_zeros(*columns[0].shape[:-1], -width % 8))
+        return torch.cat(columns, -1)
 
     def errors(self, stacked: torch.Tensor, count: int) -> torch.Tensor:
-        """Squared error ``[C, P]`` of weighted attention over protected + kept rows against exact attention, for
-        the ``count`` candidate fits :meth:`stack` put in ``stacked``, from one product over all of them (one read
-        of ``kept_prob``)."""
+        """Squared error ``[S, C, P]`` of weighted attention over protected + kept rows against exact attention, per
+        set of queries, for the ``count`` candidate fits :meth:`stack` put in ``stacked``, from one product over all
+        of them (one read of ``kept_prob``)."""
         columns = count * (self.exact.shape[-1] + 1)
         kept = (self.kept_prob @ stacked)[..., :columns].unflatten(-1, (count, -1))  # [P, M, C, d + 1]
         numerator = self.numerator[:, :, None] + kept[..., :-1]
         denominator = self.denominator[:, :, None] + kept[..., -1]
         out = numerator / denominator.clamp_min(torch.finfo(denominator.dtype).tiny)[..., None]
-        return ((out - self.exact[:, :, None]) ** 2).sum(dim=(1, 3)).T
+        squared = (out - self.exact[:, :, None]) ** 2
+        return torch.stack([part.sum(dim=(1, 3)).T for part in squared.split(self.counts, 1)])
 
 
 def fit_kept_rows(
@@ -223,29 +229,29 @@ def _fit(
     context_keys = keys.reshape(problems, n, dim)
     if kernels is None:  # the held probabilities' float32 products: convert once, not per half
         context_keys = context_keys.float()
-    sums, checks = [], []
-    for start in (0, 1):
-        half_positions = None if positions is None else positions[start::2]
-        total, parts = normal_equations(
-            kernels, grouped[:, start::2], half_positions, context_keys, values.reshape(problems, n, d_v),
-            flat_values, scaling, kept_bins,
-        )  # fmt: skip
-        sums.append(total)
-        checks.append(_QuerySet(*parts))
+    halves = [(grouped[:, start::2], None if positions is None else positions[start::2]) for start in (0, 1)]
+    sums, parts = normal_equations(
+        kernels, halves, context_keys, values.reshape(problems, n, d_v), flat_values, scaling, kept_bins
+    )
+    checks = _QuerySets(*parts, counts=[queries.shape[1] for queries, _ in halves])
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
-    solve = dict(ridge=ridge, fit_values=fit_values, max_log_weight=max_log_weight)
 
-    def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # float32, unpadded
-        return w.reshape(problems, bins * k)[:, :r].float(), v.reshape(problems, bins * k, d_v)[:, :r].float()
+    def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights ``[..., P, r]`` and values ``[..., P, r, d]`` float32, unpadded, with a leading fit dimension."""
+        return (
+            w.reshape(-1, problems, bins * k)[..., :r].float(),
+            v.reshape(-1, problems, bins * k, d_v)[..., :r, :].float(),
+        )
 
-    ones, unfitted = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
-    prior_values = prior_values.double()
-    held_w, held_v = flat(*_solve(*sums[0], prior_values, pad, **solve))
-    fit_w, fit_v = flat(*_solve(*[a + b for a, b in zip(*sums, strict=True)], prior_values, pad, **solve))
+    (ones,), (unfitted,) = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
+    # The held-out fit (even queries) and the full fit (all) as one batch of systems, [2, P, T, k, k]: one solve.
+    systems = [halves_sums.cumsum(0) for halves_sums in sums]
+    solved = _solve(*systems, prior_values.double(), pad, ridge, fit_values, max_log_weight)
+    (held_w, fit_w), (held_v, fit_v) = flat(*solved)
     candidates = [(ones, unfitted), (held_w, held_v), (fit_w, fit_v)]
-    stacked = _QuerySet.stack(candidates)
-    count = len(candidates)
-    (plain_even, _, fit_even), (plain_odd, held_odd, fit_odd) = (check.errors(stacked, count) for check in checks)
+    (plain_even, _, fit_even), (plain_odd, held_odd, fit_odd) = checks.errors(
+        _QuerySets.stack(candidates), len(candidates)
+    )
     better_held_out = held_odd < plain_odd
     better_in_sample = fit_even + fit_odd < plain_even + plain_odd
     accepted = better_held_out & better_in_sample

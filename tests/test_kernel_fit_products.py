@@ -86,17 +86,35 @@ def test_block_products_match_float64(dtype, problems, m, n, d, d_v, causal, str
     blocks = -(-n // span)
     lows = torch.randint(0, columns // k + 1, (problems, blocks), generator=gen).sort(-1).values
     lse = (lse64 * LOG2E).float().to(DEVICE)
+    set_rows = (m + 1) // 2  # the fit's two query halves: the second set one row shorter where m is odd
     got = kernel.block_products(
-        q, keys, 0.3, positions, lse, kept_prob.to(DEVICE), lows.to(DEVICE), k, span, width, block_m=32
-    )
-    assert got.dtype == torch.float32 and got.shape == (problems, blocks, span, width)
+        q, keys, 0.3, positions, lse, kept_prob.to(DEVICE), lows.to(DEVICE), k, span, width, set_rows=set_rows,
+        block_m=16,
+    )  # fmt: skip
+    assert got.dtype == torch.float32 and got.shape == (problems, 2, blocks, span, width)
     padded_prob = torch.nn.functional.pad(prob, (0, blocks * span - n)).reshape(problems, m, blocks, span)
     index = lows[..., None] * k + torch.arange(width)  # [P, blocks, width]
     near = torch.nn.functional.pad(kept_prob.double(), (0, blocks * k + width))  # columns past the end: 0
     near = near.gather(2, index.reshape(problems, 1, -1).expand(-1, m, -1)).reshape(problems, m, blocks, width)
-    expected = torch.einsum("pmbs,pmbw->pbsw", padded_prob, near)
+    products = padded_prob[..., None] * near[:, :, :, None, :]  # [P, m, blocks, span, width]
+    expected = torch.stack([products[:, :set_rows].sum(1), products[:, set_rows:].sum(1)], 1)
     scale = expected.abs().amax().clamp_min(1e-12)
     torch.testing.assert_close(got.cpu().double() / scale, expected / scale, rtol=0, atol=TOL[dtype])
+    if k != 16:
+        return
+    whole = kernel.block_products(q, keys, 0.3, positions, lse, kept_prob.to(DEVICE), lows.to(DEVICE), k, span, width)
+    assert whole.shape == (problems, 1, blocks, span, width)  # one set of every row: the sets' sum
+    torch.testing.assert_close(whole.cpu().double()[:, 0] / scale, expected.sum(1) / scale, rtol=0, atol=TOL[dtype])
+
+
+def test_block_products_set_rows_error_names_the_range():
+    q, keys, v = make_inputs(1, 8, 40, 16, 16, torch.float32, seed=1)
+    lse = torch.zeros(1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"set_rows: must be in \[1, 8\]"):
+        kernel.block_products(
+            q, keys, 0.3, None, lse, torch.rand(1, 8, 16, device=DEVICE), torch.zeros(1, 1, dtype=torch.int64,
+            device=DEVICE), 16, 64, 80, set_rows=9,
+        )  # fmt: skip
 
 
 def _fit_problem(dtype, seed, causal, bin_rows, heads_kv=2, group=3, m=24, n=260, d=32):
@@ -143,6 +161,41 @@ def test_fit_through_the_fused_kernels_matches_the_pytorch_fit(causal, bin_rows,
     ):
         scale = want.float().abs().amax()
         torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0, atol=tol + rounding)
+
+
+def test_query_sets_in_one_pass_equal_each_set_alone(monkeypatch):
+    """The fit's two query halves through the kernels in one pass (one launch of each kernel, one set of right-hand
+    sides) give each half's sums and validation parts as that half alone does: the same sums of the same products,
+    float32 reordering at most (1e-5 relative to each tensor's largest entry)."""
+    keys, values, kept, protected, queries, scaling, positions, bin_rows = _fit_problem(torch.float32, 5, True, 16)
+    calls = []
+    original = fit_equations.normal_equations
+
+    def both(kernels, query_sets, *rest):
+        assert kernels is not None and len(query_sets) == 2
+        first, second = query_sets
+        assert first[0].shape[1] == second[0].shape[1] + 1  # 3 x 23 queries per KV head: halves of 35 and 34
+        together = original(kernels, query_sets, *rest)
+        calls.append((together, [original(kernels, [one], *rest) for one in query_sets]))
+        mismatched = [(first[0][:, :3], first[1][:3]), (second[0][:, :5], second[1][:5])]
+        with pytest.raises(ValueError, match="query_sets: every set but the last must have the first one's rows"):
+            original(kernels, mismatched, *rest)
+        return together
+
+    monkeypatch.setattr(fitting, "normal_equations", both)
+    fitting.fit_kept_rows(keys, values, kept, protected, queries[:, :, 1:], scaling, query_positions=positions[1:],
+                          bin_rows=bin_rows, backend="triton")  # fmt: skip
+    ((sums, parts), alone) = calls[0]
+    start = 0
+    for index, (set_sums, set_parts) in enumerate(alone):
+        for got, want in zip(sums, set_sums, strict=True):
+            scale = want.abs().amax()
+            torch.testing.assert_close(got[index] / scale, want[0] / scale, rtol=0, atol=1e-5)
+        rows = slice(start, start + set_parts[0].shape[1])
+        start = rows.stop
+        for got, want in zip(parts, set_parts, strict=True):
+            scale = want.abs().amax()
+            torch.testing.assert_close(got[:, rows] / scale, want / scale, rtol=0, atol=1e-5)
 
 
 def test_fit_backend_errors_name_the_parameter():

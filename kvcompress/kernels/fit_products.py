@@ -9,10 +9,11 @@ For one fit problem (a (batch row, KV head) pair) with query rows ``r`` (each wi
 * :func:`attention_rows`, one program per (problem, block of rows, split of the keys), FlashAttention's forward:
   ``lse_r`` and the exact attention output ``sum_j p_rj v_j`` (the fit's validation target), online over the key
   tiles a row sees, the splits combined by their log-sum-exp.
-* :func:`block_products`, one program per (problem, block of ``span`` positions): ``c[j, w] = sum_r p_rj a[r, w]``
-  for the block's positions ``j`` against ``width`` columns of ``a`` (the kept rows' probabilities) starting at
-  column ``low * bin_rows`` (``low``: the first bin the block meets), the products behind the fit's right-hand
-  sides (:func:`kvcompress.fit_equations._sums`). It recomputes each ``p_rj`` from the rows' ``lse_r``.
+* :func:`block_products`, one program per (problem, block of ``span`` positions, set of rows): ``c[j, w] = sum_r
+  p_rj a[r, w]`` over the set's rows, for the block's positions ``j`` against ``width`` columns of ``a`` (the kept
+  rows' probabilities) starting at column ``low * bin_rows`` (``low``: the first bin the block meets), the products
+  behind the fit's right-hand sides (:func:`kvcompress.fit_equations._sums`; the sets: the fit's two query halves).
+  It recomputes each ``p_rj`` from the rows' ``lse_r``.
 
 Logit dots run on the inputs' dtype (bf16 / fp16 tensor cores; fp32 as IEEE fp32) with fp32 accumulation; the
 probabilities' products on TF32 for a 16-bit context (each probability rounded to TF32's 10-bit mantissa, as the
@@ -115,14 +116,18 @@ def _attention_rows_kernel(
 @triton.jit
 def _block_products_kernel(
     q_ptr, k_ptr, pos_ptr, lse_ptr, a_ptr, low_ptr, c_ptr,
-    M, N, D, COLS, SPAN, WIDTH, BIN_ROWS, qk_scale,
-    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_p, s_ap, s_am, s_ac, s_lp, s_lb, s_cp, s_cb, s_cs, s_cw,
+    M, SET_ROWS, N, D, COLS, SPAN, WIDTH, BIN_ROWS, qk_scale,
+    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_p, s_ap, s_am, s_ac, s_lp, s_lb, s_cp, s_cr, s_cb, s_cs, s_cw,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (problem, block of SPAN positions): ``c[j, w] = sum_r p_rj a[r, low * BIN_ROWS + w]``."""
+    """One program per (problem, block of SPAN positions, set of SET_ROWS rows): ``c[j, w] = sum_r p_rj a[r, low *
+    BIN_ROWS + w]`` over the set's rows ``r``."""
     prob = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1).to(tl.int64)
+    row_set = tl.program_id(2).to(tl.int64)
+    set_lo = row_set * SET_ROWS
+    set_hi = tl.minimum(M, set_lo + SET_ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     slots = tl.arange(0, BLOCK_S)
@@ -139,9 +144,9 @@ def _block_products_kernel(
     w_mask = (columns < WIDTH) & (offs_w < COLS)
     a_base = a_ptr + prob * s_ap
     acc = tl.zeros([BLOCK_S, BLOCK_W], tl.float32)
-    for r0 in range(0, M, BLOCK_M):
+    for r0 in range(set_lo, set_hi, BLOCK_M):
         q, row_pos, offs_m, m_mask = _load_rows(
-            q_ptr + prob * s_qp, pos_ptr, r0, M, N, s_qm, s_qd, s_p, offs_d, d_mask, BLOCK_M, HAS_POS, DOT_FP32
+            q_ptr + prob * s_qp, pos_ptr, r0, set_hi, N, s_qm, s_qd, s_p, offs_d, d_mask, BLOCK_M, HAS_POS, DOT_FP32
         )
         if tl.max(row_pos, 0) >= first:  # some row of the block sees a position of this one
             lse = tl.load(lse_ptr + prob * M + offs_m, mask=m_mask, other=float("inf"))
@@ -151,7 +156,8 @@ def _block_products_kernel(
             a = tl.load(a_base + offs_m[:, None] * s_am + offs_w[None, :] * s_ac,
                         mask=m_mask[:, None] & w_mask[None, :], other=0.0)  # fmt: skip
             acc += tl.dot(tl.trans(p), a, input_precision=PRECISION)
-    tl.store(c_ptr + prob * s_cp + block * s_cb + slots[:, None] * s_cs + columns[None, :] * s_cw, acc,
+    c_base = c_ptr + prob * s_cp + row_set * s_cr + block * s_cb
+    tl.store(c_base + slots[:, None] * s_cs + columns[None, :] * s_cw, acc,
              mask=(slots < SPAN)[:, None] & (columns < WIDTH)[None, :])  # fmt: skip
 
 
@@ -277,23 +283,30 @@ def block_products(
     span: int,
     width: int,
     *,
+    set_rows: int | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor:
     """queries ``[P, M, d]``, keys ``[P, n, d]`` and ``positions`` as in :func:`attention_rows`, ``lse [P, M]`` its
-    result; ``kept_prob [P, M, C]`` float32, ``lows [P, blocks]`` int64 (``blocks = ceil(n / span)``). Returns
-    ``[P, blocks, span, width]`` float32: block b's position ``b * span + i`` against columns
-    ``lows[:, b] * bin_rows + w`` of ``kept_prob`` (0 for positions >= n and columns >= C)."""
+    result; ``kept_prob [P, M, C]`` float32, ``lows [P, blocks]`` int64 (``blocks = ceil(n / span)``). The rows are
+    summed in sets of ``set_rows`` consecutive rows (the last set may be shorter; None: one set of all ``M``), so
+    that the fit's two query halves take one launch. Returns ``[P, sets, blocks, span, width]`` float32: block b's
+    position ``b * span + i`` against columns ``lows[:, b] * bin_rows + w`` of ``kept_prob``, summed over one set's
+    rows (0 for positions >= n and columns >= C)."""
     reason = unsupported_reason(queries, keys, keys, width)
     if reason is not None:
         raise ValueError(f"fit products kernel: {reason}")
     problems, m, dim = queries.shape
     n, cols = keys.shape[1], kept_prob.shape[-1]
-    blocks = lows.shape[1]
+    set_rows = m if set_rows is None else set_rows
+    if not 1 <= set_rows <= m:
+        raise ValueError(f"set_rows: must be in [1, {m}] (the number of query rows), got {set_rows}")
+    sets, blocks = -(-m // set_rows), lows.shape[1]
     config = products_config(dim, span, width, queries.dtype, positions is not None, block_m)
-    out = torch.empty(problems, blocks, span, width, dtype=torch.float32, device=queries.device)
+    out = torch.empty(problems, sets, blocks, span, width, dtype=torch.float32, device=queries.device)
     pos = _positions(positions, queries.device)
-    _block_products_kernel[(problems, blocks)](
-        queries, keys, pos, lse, kept_prob, lows, out, m, n, dim, cols, span, width, bin_rows, scaling * LOG2E,
+    _block_products_kernel[(problems, blocks, sets)](
+        queries, keys, pos, lse, kept_prob, lows, out, m, set_rows, n, dim, cols, span, width, bin_rows,
+        scaling * LOG2E,
         *queries.stride(), *keys.stride(), pos.stride(0), *kept_prob.stride(), *lows.stride(), *out.stride(),
         **config,
     )  # fmt: skip
