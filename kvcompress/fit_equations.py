@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 25
+_CHUNK_ELEMENTS = 1 << 25  # a chunk's block products and value products: at most 128 MiB each in float32
 _QUERY_CHUNK_ELEMENTS = 1 << 25  # probabilities held at once: [P, queries, n] float32, 128 MiB
 _LOG2E = 1.4426950408889634
 
@@ -91,13 +91,13 @@ def _gram(a: torch.Tensor, bins: int, k: int) -> torch.Tensor:
 
 
 def _right_hand_sides(
-    layout: _Layout, values: torch.Tensor, bins: int, k: int, products
+    layout: _Layout, values: torch.Tensor, bins: int, k: int, sets: int, products
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mass rhs ``[S, P, T, k]`` and value rhs ``[S, P, T, k, d]`` float64 (the products behind them float32) of
-    ``S`` sets of queries. ``values [P, n, d]`` float32. ``products(first, last, lows)``: blocks ``first:last`` of
-    ``span`` positions against the ``width`` kept rows from each block's first bin ``lows``, ``[P, S, c, span,
-    width]`` with ``c_ji = sum_q p_j(q) a_i(q)`` over one set's queries (:func:`_torch_block_products`, or the
-    fused kernel's).
+    ``S = sets`` sets of queries. ``values [P, n, d]`` float32. ``products(first, last, lows)``: blocks
+    ``first:last`` of ``span`` positions against the ``width`` kept rows from each block's first bin ``lows``, ``[P,
+    S, c, span, width]`` with ``c_ji = sum_q p_j(q) a_i(q)`` over one set's queries (:func:`_torch_block_products`,
+    or the fused kernel's).
 
     With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
     ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``: per
@@ -107,19 +107,16 @@ def _right_hand_sides(
     span, touched, lows = layout.span, layout.touched, layout.lows
     width = touched * k
     count = lows.shape[1]
-    mass = value_rhs = None
+    mass = values.new_zeros(problems, sets, bins, k)
+    value_rhs = values.new_zeros(problems, sets, bins, k, d)
     columns = torch.arange(touched, device=values.device)
     column_bins = torch.arange(width, device=values.device) // k  # each product column's bin among a block's
-    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * span, width * d)))
+    step = max(1, _CHUNK_ELEMENTS // max(1, problems * sets * max(width * span, width * d)))
     for first in range(0, count, step):
         last = min(count, first + step)
         chunk = last - first
         low = lows[:, first:last]  # [P, c]
         c_all = products(first, last, low)  # [P, S, c, span, u * k]
-        sets = c_all.shape[1]
-        if mass is None:
-            mass = values.new_zeros(problems, sets, bins, k)
-            value_rhs = values.new_zeros(problems, sets, bins, k, d)
         chunk_values = values[:, first * span : last * span]
         tail = last * span - min(n, last * span)
         if tail:
@@ -150,7 +147,7 @@ def held_sums(
     layout = _Layout.of(owner, bins, k, k)
     block_products = _torch_block_products(prob, kept_prob, bins, k, layout.touched * k)
     mass, value_rhs = _right_hand_sides(
-        layout, values, bins, k, lambda first, last, lows: block_products(first, last, lows)[:, None]
+        layout, values, bins, k, 1, lambda first, last, lows: block_products(first, last, lows)[:, None]
     )
     return _gram(kept_prob, bins, k), mass[0], value_rhs[0]
 
@@ -291,7 +288,8 @@ def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, ke
     blocks = kernels.block_products(
         queries, keys, scaling, positions, lse, kept_prob, layout.lows, k, span, width, set_rows=counts[0]
     )  # [P, sets, blocks, span, width]
-    mass, value_rhs = _right_hand_sides(layout, flat_values, kept.count, k, lambda f, la, _: blocks[:, :, f:la])
+    sets = len(counts)
+    mass, value_rhs = _right_hand_sides(layout, flat_values, kept.count, k, sets, lambda f, la, _: blocks[:, :, f:la])
     parts = _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))
     grams = [_gram(rows, kept.count, k) for rows in kept_prob.split(counts, 1)]
     return [torch.stack(grams), mass, value_rhs], parts

@@ -245,8 +245,9 @@ def _fit(
 
     (ones,), (unfitted,) = flat(torch.ones(problems, bins, k, device=keys.device), prior_values)
     # The held-out fit (even queries) and the full fit (all) as one batch of systems, [2, P, T, k, k]: one solve.
-    systems = [halves_sums.cumsum(0) for halves_sums in sums]
-    solved = _solve(*systems, prior_values.double(), pad, ridge, fit_values, max_log_weight)
+    for halves_sums in sums:
+        halves_sums[1] += halves_sums[0]
+    solved = _solve(*sums, prior_values.double(), pad, ridge, fit_values, max_log_weight)
     (held_w, fit_w), (held_v, fit_v) = flat(*solved)
     candidates = [(ones, unfitted), (held_w, held_v), (fit_w, fit_v)]
     (plain_even, _, fit_even), (plain_odd, held_odd, fit_odd) = checks.errors(
