@@ -176,7 +176,8 @@ def test_query_sets_in_one_pass_equal_each_set_alone(monkeypatch):
         first, second = query_sets
         assert first[0].shape[1] == second[0].shape[1] + 1  # 3 x 23 queries per KV head: halves of 35 and 34
         together = original(kernels, query_sets, *rest)
-        calls.append((together, [original(kernels, [one], *rest) for one in query_sets]))
+        sums, parts = together  # copied: the fit adds the halves' sums in place
+        calls.append((([s.clone() for s in sums], parts), [original(kernels, [one], *rest) for one in query_sets]))
         mismatched = [(first[0][:, :3], first[1][:3]), (second[0][:, :5], second[1][:5])]
         with pytest.raises(ValueError, match="query_sets: every set but the last must have the first one's rows"):
             original(kernels, mismatched, *rest)
