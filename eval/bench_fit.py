@@ -10,8 +10,9 @@ memory one call allocates above its inputs (CUDA: the allocator's peak; CPU: the
 reset before the call, on Linux).
 ``--backends torch triton`` times the fit's two paths on the same cases (the fused kernels run on CUDA, or on CPU
 under ``TRITON_INTERPRET=1``, far slower there). ``--profile`` prints the top operators of one more call (device
-time on CUDA, CPU time otherwise): where the time goes. On CPU the seconds are this machine's; ratios within one
-run are the figures to compare.
+time on CUDA, CPU time otherwise): where the time goes. ``--kernel-tiles`` times the fused path's two kernels of the
+last case alone with the launchers' tiles and with ``ROWS_TILES`` / ``PRODUCTS_TILES`` (TFLOP/s and agreement). On
+CPU the seconds are this machine's; ratios within one run are the figures to compare.
 
 Run from the repository root: ``python -m eval.bench_fit [--device cuda] [--profile] [--output results/...json]``.
 """
@@ -82,6 +83,92 @@ def profile_case(case: dict[str, Any], device: torch.device, backend: str = "aut
     return prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=rows, max_shapes_column_width=80)
 
 
+# Tiles a sweep times beside the launchers' own (first row): (BLOCK_M, BLOCK_N, warps, stages) of attention_rows,
+# (BLOCK_M, warps, stages) of block_products. Chosen from what compiles for sm_90 in bf16 at head dim 128 without
+# spilling (``python -m eval.compile_kernels``), and a few that spill a little, to see what the spills cost.
+ROWS_TILES = ((64, 32, 8, 3), (32, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2))
+PRODUCTS_TILES = ((64, 8, 3), (32, 8, 2), (16, 4, 2), (128, 8, 2), (32, 4, 3))
+
+
+def capture_kernel_calls(case: dict[str, Any]) -> dict[str, tuple[tuple, dict]]:
+    """The arguments of the fused kernels' launches in one fit of ``case`` (backend ``"triton"``)."""
+    from kvcompress.kernels import fit_products
+
+    calls: dict[str, tuple[tuple, dict]] = {}
+    originals = {name: getattr(fit_products, name) for name in ("attention_rows", "block_products")}
+
+    def recorder(name: str):
+        def record(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            return originals[name](*args, **kwargs)
+
+        return record
+
+    try:
+        for name in originals:
+            setattr(fit_products, name, recorder(name))
+        _call(case, "triton")
+    finally:
+        for name, original in originals.items():
+            setattr(fit_products, name, original)
+    return calls
+
+
+def kernel_tiles(case: dict[str, Any], device: torch.device, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    """Each fused fit kernel of ``case`` launched alone with the launcher's own tiles and with each of
+    ``ROWS_TILES`` / ``PRODUCTS_TILES``: median ms, TFLOP/s of the work the rows see (the logits, the outputs or
+    the products; causal rows see keys up to their position) and the largest difference from the launcher's own
+    tiles' result (relative to its largest entry: the same sums in another order)."""
+    from kvcompress.kernels import fit_products
+
+    calls = capture_kernel_calls(case)
+    rows_args, rows_kwargs = calls["attention_rows"]
+    queries, keys, values, _, positions = rows_args
+    products_args, products_kwargs = calls["block_products"]
+    problems, n = keys.shape[:2]
+    seen = n * queries.shape[1] if positions is None else int((positions.clamp_max(n - 1) + 1).sum())
+    width = products_args[9]
+    kernels = [
+        ("attention_rows", rows_args, rows_kwargs, 2 * problems * seen * (keys.shape[-1] + values.shape[-1]),
+         [dict()] + [dict(block_m=m, block_n=b, num_warps=w, num_stages=st) for m, b, w, st in ROWS_TILES]),
+        ("block_products", products_args, products_kwargs, 2 * problems * seen * (keys.shape[-1] + width),
+         [dict()] + [dict(block_m=m, num_warps=w, num_stages=st) for m, w, st in PRODUCTS_TILES]),
+    ]  # fmt: skip
+    rows = []
+    for name, args, kwargs, flops, tiles in kernels:
+        launch = getattr(fit_products, name)
+        reference = None
+        for tile in tiles:
+            row: dict[str, Any] = dict(kernel=name, tiles=tile or "launcher's")
+            try:
+                call = functools.partial(launch, *args, **{**kwargs, **tile})
+                seconds, result = time_calls(call, warmup, repeats, device)
+            except Exception as exc:  # noqa: BLE001 - a tile that fails to compile or launch is a row, not the end
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                rows.append(row)
+                continue
+            out = result[1] if name == "attention_rows" else result  # the outputs (lse rides on them)
+            reference = out if reference is None else reference
+            median = statistics.median(seconds)
+            scale = reference.abs().amax().clamp_min(1e-30)
+            row.update(median_ms=1e3 * median, tflops=flops / median / 1e12,
+                       max_rel_diff=float(((out - reference).abs().amax() / scale).item()))  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def print_kernel_tiles(rows: list[dict[str, Any]]) -> None:
+    print(f"{'kernel':>14} {'median ms':>10} {'TFLOP/s':>8} {'max rel diff':>12} tiles")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['kernel']:>14} {'-':>10} {'-':>8} {'-':>12} {row['tiles']}  {row['error']}")
+            continue
+        print(
+            f"{row['kernel']:>14} {row['median_ms']:>10.3f} {row['tflops']:>8.1f} {row['max_rel_diff']:>12.1e} "
+            f"{row['tiles']}"
+        )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.bench_fit", description=__doc__.split("\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768], help="context tokens (default 8k 32k)")
@@ -92,6 +179,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="fit paths, a row each: torch (probabilities held), triton (fused kernels), auto (default)",
     )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print the top operators of the last row's case")
+    p.add_argument(
+        "--kernel-tiles", action="store_true",
+        help="time the fused kernels of the last case alone with other tiles (CUDA; on CPU under TRITON_INTERPRET=1)",
+    )  # fmt: skip
     add_run_arguments(p)
     args = p.parse_args(argv)
     if not 0 < args.kept <= 1:
@@ -133,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.profile and case is not None:
         print(profile_case(case, device, args.backends[-1]))
+    tiles = []
+    if args.kernel_tiles and case is not None:
+        tiles = kernel_tiles(case, device, args.warmup, args.repeats)
+        print_kernel_tiles(tiles)
     if args.output:
-        write_json(args.output, "eval.bench_fit", argv, rows, args)
+        write_json(args.output, "eval.bench_fit", argv, rows + tiles, args)
     return 0
 
 

@@ -6,18 +6,20 @@
 #
 #   OUT=$OUT/g DEADLINE_S=540 bash scripts/gpu_session.sh
 #
-# STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below, in that order; the
-# seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers);
+# STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below but lse_prefill, in that
+# order; the seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers; the
+# eighteenth changed the fit and its block_products kernel, so the compiled kernel tests come first);
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
+#   kernel_tests    every Triton kernel's tests compiled on CUDA (and the CUDA-graph decode against eager)
 #   lse_prefill     which kernel sdpa picks for a 32k causal prefill and each fused operator's time and error
 #                   with its log-sum-exp (`python -m eval.probe_flash_lse --context 0`; the induction prior's path)
 #   prefill_32768   the prefill breakdown at 32k, every setting of README's table that has one (issue 20's goals:
 #                   the default <= 1.3x no press, the "thorough" point <= 2.2x, peak <= SnapKV's + 5%, the fit <= 5%)
 #   prefill_65536   the same at 64k (the default, balanced(): peak and cost where the quadratic parts grow)
-#   kernel_tests    every Triton kernel's tests compiled on CUDA (and the CUDA-graph decode against eager)
-#   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal)
+#   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal),
+#                   and its two kernels alone with other tiles (`--kernel-tiles`: TFLOP/s, agreement)
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (DECODE_LAYERS of the
 #                   model's 28 layers, default 4: inductor compiles three graphs per batch size)
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
@@ -37,7 +39,7 @@ DECODE_LAYERS=${DECODE_LAYERS:-4}
 SETTINGS_32K=${SETTINGS_32K:-none snapkv default balanced balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
-STEPS=${STEPS:-lse_prefill prefill_32768 prefill_65536 kernel_tests bench_fit decode_32768_b1 decode_32768_b8 \
+STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit prefill_65536 decode_32768_b1 decode_32768_b8 \
 decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
@@ -72,8 +74,16 @@ step() {
     $PY -c "import torch, triton, transformers, kvpress; print(torch.__version__, triton.__version__, \
 transformers.__version__, kvpress.__version__ if hasattr(kvpress, '__version__') else 'kvpress')"
     git log -1 --format="commit %h %s" 2>/dev/null || true
+    # The device may keep an earlier call's git metadata: the library's sources identify the tree that ran.
+    echo "kvcompress sources sha1 $(cat kvcompress/*.py kvcompress/*/*.py | sha1sum | cut -c1-12)"
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
+
+step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
+    tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
+    tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
+    tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
+grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" 2>/dev/null | tail -15
 
 step lse_prefill 40 $PY -m eval.probe_flash_lse --context 0 --chunk 32768 --output "$OUT/lse_prefill.json"
 cat "$OUT/lse_prefill.log" 2>/dev/null
@@ -84,20 +94,15 @@ step prefill_32768 240 $PY -m eval.speed --only prefill --breakdown-lengths 3276
 grep -A14 "breakdown per setting" "$OUT/prefill_32768.log" 2>/dev/null
 grep -A4 "attention mass of one layer" "$OUT/prefill_32768.log" 2>/dev/null
 
+step bench_fit 150 $PY -m eval.bench_fit --contexts 32768 --queries 320 64 --backends torch triton --profile \
+    --kernel-tiles --output "$OUT/bench_fit.json"
+head -5 "$OUT/bench_fit.log" 2>/dev/null
+grep -A14 "TFLOP/s" "$OUT/bench_fit.log" 2>/dev/null
+
 # shellcheck disable=SC2086
 step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
     --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
 grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
-
-step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
-    tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
-    tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
-    tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
-grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" 2>/dev/null | tail -15
-
-step bench_fit 90 $PY -m eval.bench_fit --contexts 32768 --queries 64 320 --backends torch triton --profile \
-    --output "$OUT/bench_fit.json"
-head -12 "$OUT/bench_fit.log" 2>/dev/null
 
 for batch in 1 8; do
     step "decode_32768_b$batch" 110 $PY -m eval.speed --only decode --decode-contexts 32768 \

@@ -51,3 +51,29 @@ def test_bad_arguments_exit_with_a_message(bad: list[str], flag: str, capsys: py
     with pytest.raises(SystemExit):
         bench.main([*TINY, *bad])
     assert flag in capsys.readouterr().err
+
+
+def test_kernel_tiles_time_every_tile_and_agree_with_the_launchers(tmp_path: Path, capsys) -> None:
+    """The tile sweep on CPU tensors under the interpreter (the GPU run is the measurement): a row per kernel and
+    tile, each tile's result the launcher's own up to float32 reordering, and the rows in the JSON."""
+    pytest.importorskip("triton", reason="triton is not installed (the fused kernels need it)")
+    from kvcompress.kernels import fit_products
+
+    if not fit_products.INTERPRET:
+        pytest.skip("the kernels were defined for a GPU; this smoke run uses CPU tensors in the interpreter")
+    output = tmp_path / "tiles.json"
+    one_case = [
+        "--device", "cpu", "--dtype", "fp32", "--contexts", "400", "--queries", "20", "--heads", "4", "2",
+        "--head-dim", "16", "--warmup", "0", "--repeats", "1",
+    ]  # fmt: skip
+    assert bench.main([*one_case, "--kernel-tiles", "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    assert "TFLOP/s" in printed
+    tiles = [r for r in json.loads(output.read_text())["rows"] if "kernel" in r]
+    kernels = [r["kernel"] for r in tiles]
+    assert kernels.count("attention_rows") == 1 + len(bench.ROWS_TILES)
+    assert kernels.count("block_products") == 1 + len(bench.PRODUCTS_TILES)
+    for row in tiles:
+        assert "error" not in row, row
+        assert row["median_ms"] > 0 and row["tflops"] > 0
+        assert row["max_rel_diff"] <= 1e-5  # the same float32 sums in another order (the interpreter: IEEE fp32)

@@ -181,10 +181,12 @@ def _modes(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def rows_config(
-    dim: int, d_v: int, dtype: torch.dtype, has_pos: bool, block_m: int | None = None, block_n: int | None = None
-) -> dict:
+    dim: int, d_v: int, dtype: torch.dtype, has_pos: bool, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+) -> dict:  # fmt: skip
     """Launch options of :func:`attention_rows` (its kernel's constexprs, warps and stages) for these sizes;
-    ``block_m`` / ``block_n`` (powers of two >= 16) override the tiles (tests)."""
+    ``block_m`` / ``block_n`` (powers of two >= 16), ``num_warps`` and ``num_stages`` override them (tests, tile
+    sweeps: ``python -m eval.bench_fit --kernel-tiles``)."""
     block_d = max(16, triton.next_power_of_2(dim))
     block_dv = max(16, triton.next_power_of_2(d_v))
     # Tiles without register spills on sm_90 (``python -m eval.compile_kernels``): the fp32 probabilities and values
@@ -196,14 +198,17 @@ def rows_config(
     dot_fp32, precision = _modes(dtype)
     return dict(
         BLOCK_M=block_m or tiles[0], BLOCK_N=block_n or tiles[1], BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=tiles[2], num_stages=2,
+        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or tiles[2],
+        num_stages=num_stages or 2,
     )  # fmt: skip
 
 
 def products_config(
-    dim: int, span: int, width: int, dtype: torch.dtype, has_pos: bool, block_m: int | None = None
-) -> dict:
-    """Launch options of :func:`block_products` for these sizes; ``block_m`` overrides the row tile (tests)."""
+    dim: int, span: int, width: int, dtype: torch.dtype, has_pos: bool, block_m: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+) -> dict:  # fmt: skip
+    """Launch options of :func:`block_products` for these sizes; ``block_m`` (the row tile), ``num_warps`` and
+    ``num_stages`` override them (tests, tile sweeps)."""
     block_d = max(16, triton.next_power_of_2(dim))
     block_s = max(16, triton.next_power_of_2(span))
     block_w = max(16, triton.next_power_of_2(width))
@@ -211,7 +216,8 @@ def products_config(
     rows = 16 if dtype == torch.float32 else 32 if block_d > 128 else 64  # no spills on sm_90 (compile_kernels)
     return dict(
         BLOCK_M=block_m or rows, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d,
-        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=8, num_stages=2,
+        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or 8,
+        num_stages=num_stages or 2,
     )  # fmt: skip
 
 
@@ -241,18 +247,21 @@ def attention_rows(
     block_m: int | None = None,
     block_n: int | None = None,
     splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """queries ``[P, M, d]``, keys ``[P, n, d]``, values ``[P, n, d_v]`` (one dtype, any strides), ``positions``
     ``[M]`` int (row r sees keys ``j <= positions[r]``, at least key 0; None: every key). Returns ``lse [P, M]``
     float32 in log2 units (``log2 sum_j 2^(s_rj log2 e)``; +inf for a row that sees no key) and the attention output
     ``[P, M, d_v]`` float32. The keys run in ``splits`` parts (default :func:`key_splits`) combined by their
-    log-sum-exp, FlashDecoding's split-K; ``block_m`` / ``block_n`` / ``splits`` override the launch (tests)."""
+    log-sum-exp, FlashDecoding's split-K; ``block_m`` / ``block_n`` / ``splits`` / ``num_warps`` / ``num_stages``
+    override the launch (tests, tile sweeps)."""
     reason = unsupported_reason(queries, keys, values, 1)
     if reason is not None:
         raise ValueError(f"fit products kernel: {reason}")
     problems, m, dim = queries.shape
     n, d_v = keys.shape[1], values.shape[-1]
-    config = rows_config(dim, d_v, queries.dtype, positions is not None, block_m, block_n)
+    config = rows_config(dim, d_v, queries.dtype, positions is not None, block_m, block_n, num_warps, num_stages)
     row_blocks, block_n = triton.cdiv(m, config["BLOCK_M"]), config["BLOCK_N"]
     splits = splits or key_splits(problems, row_blocks, n, block_n, queries.device)
     split_keys, splits = whole_tile_splits(n, splits, block_n)
@@ -285,11 +294,14 @@ def block_products(
     *,
     set_rows: int | None = None,
     block_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """queries ``[P, M, d]``, keys ``[P, n, d]`` and ``positions`` as in :func:`attention_rows`, ``lse [P, M]`` its
     result; ``kept_prob [P, M, C]`` float32, ``lows [P, blocks]`` int64 (``blocks = ceil(n / span)``). The rows are
     summed in sets of ``set_rows`` consecutive rows (the last set may be shorter; None: one set of all ``M``), so
-    that the fit's two query halves take one launch. Returns ``[P, sets, blocks, span, width]`` float32: block b's
+    that the fit's two query halves take one launch; ``block_m``, ``num_warps`` and ``num_stages`` override the
+    launch (tests, tile sweeps). Returns ``[P, sets, blocks, span, width]`` float32: block b's
     position ``b * span + i`` against columns ``lows[:, b] * bin_rows + w`` of ``kept_prob``, summed over one set's
     rows (0 for positions >= n and columns >= C)."""
     reason = unsupported_reason(queries, keys, keys, width)
@@ -301,7 +313,7 @@ def block_products(
     if not 1 <= set_rows <= m:
         raise ValueError(f"set_rows: must be in [1, {m}] (the number of query rows), got {set_rows}")
     sets, blocks = -(-m // set_rows), lows.shape[1]
-    config = products_config(dim, span, width, queries.dtype, positions is not None, block_m)
+    config = products_config(dim, span, width, queries.dtype, positions is not None, block_m, num_warps, num_stages)
     out = torch.empty(problems, sets, blocks, span, width, dtype=torch.float32, device=queries.device)
     pos = _positions(positions, queries.device)
     _block_products_kernel[(problems, blocks, sets)](
