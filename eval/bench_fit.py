@@ -84,7 +84,7 @@ def profile_case(case: dict[str, Any], device: torch.device, backend: str = "aut
 
 
 # Tiles a sweep times beside the launchers' own (first row): (BLOCK_M, BLOCK_N, warps, stages) of attention_rows,
-# (BLOCK_M, warps, stages) of block_products. Chosen from what compiles for sm_90 in bf16 at head dim 128 without
+# (BLOCK_M, warps, stages) of block_sums. Chosen from what compiles for sm_90 in bf16 at head dim 128 without
 # spilling (``python -m eval.compile_kernels``), and a few that spill a little, to see what the spills cost.
 ROWS_TILES = ((64, 32, 8, 3), (32, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2))
 PRODUCTS_TILES = ((64, 8, 3), (32, 8, 2), (16, 4, 2), (128, 8, 2), (32, 4, 3))
@@ -95,7 +95,7 @@ def capture_kernel_calls(case: dict[str, Any]) -> dict[str, tuple[tuple, dict]]:
     from kvcompress.kernels import fit_products
 
     calls: dict[str, tuple[tuple, dict]] = {}
-    originals = {name: getattr(fit_products, name) for name in ("attention_rows", "block_products")}
+    originals = {name: getattr(fit_products, name) for name in ("attention_rows", "block_sums")}
 
     def recorder(name: str):
         def record(*args, **kwargs):
@@ -117,21 +117,24 @@ def capture_kernel_calls(case: dict[str, Any]) -> dict[str, tuple[tuple, dict]]:
 def kernel_tiles(case: dict[str, Any], device: torch.device, warmup: int, repeats: int) -> list[dict[str, Any]]:
     """Each fused fit kernel of ``case`` launched alone with the launcher's own tiles and with each of
     ``ROWS_TILES`` / ``PRODUCTS_TILES``: median ms, TFLOP/s of the work the rows see (the logits, the outputs or
-    the products; causal rows see keys up to their position) and the largest difference from the launcher's own
-    tiles' result (relative to its largest entry: the same sums in another order)."""
+    the products; causal rows see keys up to their position; the values' products of every block) and the largest
+    difference from the launcher's own tiles' result (relative to its largest entry: the same sums in another
+    order)."""
     from kvcompress.kernels import fit_products
 
     calls = capture_kernel_calls(case)
     rows_args, rows_kwargs = calls["attention_rows"]
     queries, keys, values, _, positions = rows_args
-    products_args, products_kwargs = calls["block_products"]
+    sums_args, sums_kwargs = calls["block_sums"]
     problems, n = keys.shape[:2]
     seen = n * queries.shape[1] if positions is None else int((positions.clamp_max(n - 1) + 1).sum())
-    width = products_args[9]
+    span, width = sums_args[10:12]
+    sets = -(-queries.shape[1] // (sums_kwargs.get("set_rows") or queries.shape[1]))
+    values_products = 2 * problems * sets * -(-n // span) * span * width * values.shape[-1]
     kernels = [
         ("attention_rows", rows_args, rows_kwargs, 2 * problems * seen * (keys.shape[-1] + values.shape[-1]),
          [dict()] + [dict(block_m=m, block_n=b, num_warps=w, num_stages=st) for m, b, w, st in ROWS_TILES]),
-        ("block_products", products_args, products_kwargs, 2 * problems * seen * (keys.shape[-1] + width),
+        ("block_sums", sums_args, sums_kwargs, 2 * problems * seen * (keys.shape[-1] + width) + values_products,
          [dict()] + [dict(block_m=m, num_warps=w, num_stages=st) for m, w, st in PRODUCTS_TILES]),
     ]  # fmt: skip
     rows = []
@@ -147,7 +150,7 @@ def kernel_tiles(case: dict[str, Any], device: torch.device, warmup: int, repeat
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 rows.append(row)
                 continue
-            out = result[1] if name == "attention_rows" else result  # the outputs (lse rides on them)
+            out = result[1]  # the attention outputs (the log-sum-exp rides on them), the values' sums
             reference = out if reference is None else reference
             median = statistics.median(seconds)
             scale = reference.abs().amax().clamp_min(1e-30)

@@ -101,9 +101,9 @@ def fit_cases(dtypes: list[str], head_dims: list[int], bin_rows: list[int]):
             for k in bin_rows:
                 span, width = fused_block(k)
                 config = fp.products_config(dim, span, width, dtype, True)
-                pointers = dict(q_ptr=data, k_ptr=data, pos_ptr="*i64", lse_ptr="*fp32", a_ptr="*fp32",
-                                low_ptr="*i64", c_ptr="*fp32")  # fmt: skip
-                yield f"block_products {dtype_name} d={dim} bin_rows={k}", fp._block_products_kernel, config, pointers
+                pointers = dict(q_ptr=data, k_ptr=data, v_ptr=data, pos_ptr="*i64", lse_ptr="*fp32", a_ptr="*fp32",
+                                low_ptr="*i64", owner_ptr="*i64", mass_ptr="*fp32", vals_ptr="*fp32")  # fmt: skip
+                yield f"block_sums {dtype_name} d={dim} bin_rows={k}", fp._block_sums_kernel, config, pointers
 
 
 def mass_cases(dtypes: list[str], head_dims: list[int]):

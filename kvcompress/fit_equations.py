@@ -91,31 +91,47 @@ def _gram(a: torch.Tensor, bins: int, k: int) -> torch.Tensor:
 
 
 def _right_hand_sides(
-    layout: _Layout, values: torch.Tensor, bins: int, k: int, sets: int, products
+    layout: _Layout, bins: int, k: int, sets: int, d: int, partials, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mass rhs ``[S, P, T, k]`` and value rhs ``[S, P, T, k, d]`` float64 (the products behind them float32) of
-    ``S = sets`` sets of queries. ``values [P, n, d]`` float32. ``products(first, last, lows)``: blocks
-    ``first:last`` of ``span`` positions against the ``width`` kept rows from each block's first bin ``lows``, ``[P,
-    S, c, span, width]`` with ``c_ji = sum_q p_j(q) a_i(q)`` over one set's queries (:func:`_torch_block_products`,
-    or the fused kernel's).
+    """Mass rhs ``[S, P, T, k]`` and value rhs ``[S, P, T, k, d]`` float64 (the sums behind them float32) of ``S =
+    sets`` sets of queries, from each block's partials ``step`` blocks at a time. ``partials(first, last, lows)``:
+    blocks ``first:last`` of ``span`` positions (``lows``: their first bins), ``([P, S, c, width], [P, S, c, width,
+    d])``: over the block's positions j owned by column w's bin, ``sum_j c_jw`` and ``sum_j c_jw v_j``, where ``c_jw
+    = sum_q p_j(q) a_w(q)`` over one set's queries (:func:`_owned_partials` from held products, or the fused
+    kernel's :func:`kvcompress.kernels.fit_products.block_sums`).
 
     With ``a`` the kept rows' probabilities, the mass rhs of kept row i of bin t is
     ``sum_q a_ti(q) z_t(q) = sum_{j owned by t} c_ji`` and its value rhs ``sum_{j owned by t} c_ji v_j``: per
     block, only the few bins it can meet, so ``O(n M width)`` work in all, static shapes, no device sync.
     """
-    problems, n, d = values.shape
-    span, touched, lows = layout.span, layout.touched, layout.lows
-    width = touched * k
-    count = lows.shape[1]
-    mass = values.new_zeros(problems, sets, bins, k)
-    value_rhs = values.new_zeros(problems, sets, bins, k, d)
-    columns = torch.arange(touched, device=values.device)
-    column_bins = torch.arange(width, device=values.device) // k  # each product column's bin among a block's
-    step = max(1, _CHUNK_ELEMENTS // max(1, problems * sets * max(width * span, width * d)))
+    lows, touched = layout.lows, layout.touched
+    problems, count = lows.shape
+    mass = torch.zeros(problems, sets, bins, k, device=lows.device)
+    value_rhs = torch.zeros(problems, sets, bins, k, d, device=lows.device)
+    columns = torch.arange(touched, device=lows.device)
     for first in range(0, count, step):
         last = min(count, first + step)
         chunk = last - first
         low = lows[:, first:last]  # [P, c]
+        block_mass, block_values = partials(first, last, low)
+        target = (low[..., None] + columns).clamp_max(bins - 1).reshape(problems, 1, chunk * touched)
+        mass.scatter_add_(2, target[..., None].expand(-1, sets, -1, k), block_mass.reshape(problems, sets, -1, k))
+        value_rhs.scatter_add_(
+            2,
+            target[..., None, None].expand(-1, sets, -1, k, d),
+            block_values.reshape(problems, sets, chunk * touched, k, d),
+        )
+    return mass.double().movedim(1, 0), value_rhs.double().movedim(1, 0)
+
+
+def _owned_partials(layout: _Layout, values: torch.Tensor, k: int, products):
+    """:func:`_right_hand_sides`' ``partials`` from block products: ``products(first, last, lows)`` gives blocks
+    ``first:last``' ``[P, S, c, span, width]`` (:func:`_torch_block_products`); ``values [P, n, d]`` float32."""
+    problems, n, d = values.shape
+    span = layout.span
+    column_bins = torch.arange(layout.touched * k, device=values.device) // k  # each column's bin among a block's
+
+    def partials(first: int, last: int, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c_all = products(first, last, low)  # [P, S, c, span, u * k]
         chunk_values = values[:, first * span : last * span]
         tail = last * span - min(n, last * span)
@@ -126,16 +142,10 @@ def _right_hand_sides(
         own = (column_bins == (owners - low[..., None])[..., None]) & (owners >= 0)[..., None]
         split = torch.where(own[:, None], c_all, 0.0)  # [P, S, c, span(positions), u * k]
         # Per block and nearby bin: sum over its positions of c (mass) and of c v (values), one small product.
-        block_mass = split.sum(3).reshape(problems, sets, chunk * touched, k)
-        block_values = split.transpose(-1, -2) @ chunk_values.reshape(problems, 1, chunk, span, d)  # [P,S,c,u*k,d]
-        target = (low[..., None] + columns).clamp_max(bins - 1).reshape(problems, 1, chunk * touched)
-        mass.scatter_add_(2, target[..., None].expand(-1, sets, -1, k), block_mass)
-        value_rhs.scatter_add_(
-            2,
-            target[..., None, None].expand(-1, sets, -1, k, d),
-            block_values.reshape(problems, sets, chunk * touched, k, d),
-        )
-    return mass.double().movedim(1, 0), value_rhs.double().movedim(1, 0)
+        values_product = split.transpose(-1, -2) @ chunk_values.reshape(problems, 1, last - first, span, d)
+        return split.sum(3), values_product
+
+    return partials
 
 
 def held_sums(
@@ -145,10 +155,11 @@ def held_sums(
     held probabilities ``prob [P, M, n]`` (blocks of ``k`` positions); ``kept_prob [P, M, T * k]`` their kept rows'
     (padded) columns, ``owner [P, n]`` each position's bin (-1: protected), non-decreasing along positions."""
     layout = _Layout.of(owner, bins, k, k)
-    block_products = _torch_block_products(prob, kept_prob, bins, k, layout.touched * k)
-    mass, value_rhs = _right_hand_sides(
-        layout, values, bins, k, 1, lambda first, last, lows: block_products(first, last, lows)[:, None]
-    )
+    width, (problems, d) = layout.touched * k, (values.shape[0], values.shape[-1])
+    block_products = _torch_block_products(prob, kept_prob, bins, k, width)
+    partials = _owned_partials(layout, values, k, lambda first, last, lows: block_products(first, last, lows)[:, None])
+    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * k, width * d)))
+    mass, value_rhs = _right_hand_sides(layout, bins, k, 1, d, partials, step)
     return _gram(kept_prob, bins, k), mass[0], value_rhs[0]
 
 
@@ -266,7 +277,7 @@ def _probabilities_at(
 def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, kept: KeptBins) -> tuple[list, tuple]:
     """:func:`normal_equations` from the fused kernels, never holding the ``[P, M, n]`` probabilities: every set's
     rows in one pass for the rows' log-sum-exp and exact outputs, the kept and protected rows' probabilities as
-    small products, the blocks' products per set in a second pass."""
+    small products, each block's right-hand-side partials per set in a second pass."""
     dim, k = keys.shape[-1], kept.k
     padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
     span, width = fused_block(k)
@@ -285,11 +296,14 @@ def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, ke
     row_keys = keys.gather(1, rows[..., None].expand(-1, -1, dim))
     prob = _probabilities_at(queries, row_keys, rows, lse, scaling, positions)
     kept_prob, guarded = prob[..., : padded.shape[1]], prob[..., padded.shape[1] :]  # [P, M, T * k], [P, M, p]
-    blocks = kernels.block_products(
-        queries, keys, scaling, positions, lse, kept_prob, layout.lows, k, span, width, set_rows=counts[0]
-    )  # [P, sets, blocks, span, width]
-    sets = len(counts)
-    mass, value_rhs = _right_hand_sides(layout, flat_values, kept.count, k, sets, lambda f, la, _: blocks[:, :, f:la])
+    # Every block's partials at once: [P, sets, blocks, width] and [P, sets, blocks, width, d_v].
+    partials = kernels.block_sums(
+        queries, keys, values, scaling, positions, lse, kept_prob, layout.lows, layout.owners.flatten(1), k, span,
+        width, set_rows=counts[0],
+    )  # fmt: skip
+    mass, value_rhs = _right_hand_sides(
+        layout, kept.count, k, len(counts), values.shape[-1], lambda *_: partials, layout.lows.shape[1]
+    )
     parts = _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))
     grams = [_gram(rows, kept.count, k) for rows in kept_prob.split(counts, 1)]
     return [torch.stack(grams), mass, value_rhs], parts

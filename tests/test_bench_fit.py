@@ -72,7 +72,7 @@ def test_kernel_tiles_time_every_tile_and_agree_with_the_launchers(tmp_path: Pat
     tiles = [r for r in json.loads(output.read_text())["rows"] if "kernel" in r]
     kernels = [r["kernel"] for r in tiles]
     assert kernels.count("attention_rows") == 1 + len(bench.ROWS_TILES)
-    assert kernels.count("block_products") == 1 + len(bench.PRODUCTS_TILES)
+    assert kernels.count("block_sums") == 1 + len(bench.PRODUCTS_TILES)
     for row in tiles:
         assert "error" not in row, row
         assert row["median_ms"] > 0 and row["tflops"] > 0

@@ -75,7 +75,11 @@ def test_attention_rows_match_float64(dtype, problems, m, n, d, d_v, causal, str
 
 @pytest.mark.parametrize("dtype, problems, m, n, d, d_v, causal, strided", CASES)
 @pytest.mark.parametrize("k, span", [(16, 64), (8, 24), (1, 16)])
-def test_block_products_match_float64(dtype, problems, m, n, d, d_v, causal, strided, k, span):
+def test_block_sums_match_float64(dtype, problems, m, n, d, d_v, causal, strided, k, span):
+    """Each block's products c[j, w] = sum_r p_rj a[r, low * k + w] over a set of rows, kept where column w's bin
+    (w // k) is position j's owner less the block's first bin, summed over the block's positions alone (the mass)
+    and times v_j (the values). The sums of non-negative products are within TOL of their largest; the values'
+    sums have signs, so their bound is TOL times the largest sum of |c| |v| (cancellation leaves the error)."""
     q, keys, v = make_inputs(problems, m, n, d, d_v, dtype, seed=m * n + k, strided=strided)
     positions = _positions(m, n, causal, seed=n + 1)
     prob, lse64, _ = float64_fit_rows(q, keys, v, 0.3, positions)
@@ -85,36 +89,57 @@ def test_block_products_match_float64(dtype, problems, m, n, d, d_v, causal, str
     width = span if k == 1 else (span // k + 1) * k
     blocks = -(-n // span)
     lows = torch.randint(0, columns // k + 1, (problems, blocks), generator=gen).sort(-1).values
+    # Owners near each block's first bin, some of them -1 (protected) and some past the block's bins (never kept).
+    offsets = torch.randint(-1, width // k + 1, (problems, blocks * span), generator=gen)
+    owners = lows.repeat_interleave(span, 1) + offsets
+    owners[torch.rand(problems, blocks * span, generator=gen) < 0.2] = -1
     lse = (lse64 * LOG2E).float().to(DEVICE)
     set_rows = (m + 1) // 2  # the fit's two query halves: the second set one row shorter where m is odd
-    got = kernel.block_products(
-        q, keys, 0.3, positions, lse, kept_prob.to(DEVICE), lows.to(DEVICE), k, span, width, set_rows=set_rows,
-        block_m=16,
-    )  # fmt: skip
-    assert got.dtype == torch.float32 and got.shape == (problems, 2, blocks, span, width)
+
+    def launch(**options):
+        return kernel.block_sums(
+            q, keys, v, 0.3, positions, lse, kept_prob.to(DEVICE), lows.to(DEVICE), owners.to(DEVICE), k, span,
+            width, **options,
+        )  # fmt: skip
+
+    mass, vals = launch(set_rows=set_rows, block_m=16)
+    assert mass.dtype == vals.dtype == torch.float32
+    assert mass.shape == (problems, 2, blocks, width) and vals.shape == (problems, 2, blocks, width, d_v)
     padded_prob = torch.nn.functional.pad(prob, (0, blocks * span - n)).reshape(problems, m, blocks, span)
     index = lows[..., None] * k + torch.arange(width)  # [P, blocks, width]
     near = torch.nn.functional.pad(kept_prob.double(), (0, blocks * k + width))  # columns past the end: 0
     near = near.gather(2, index.reshape(problems, 1, -1).expand(-1, m, -1)).reshape(problems, m, blocks, width)
     products = padded_prob[..., None] * near[:, :, :, None, :]  # [P, m, blocks, span, width]
-    expected = torch.stack([products[:, :set_rows].sum(1), products[:, set_rows:].sum(1)], 1)
-    scale = expected.abs().amax().clamp_min(1e-12)
-    torch.testing.assert_close(got.cpu().double() / scale, expected / scale, rtol=0, atol=TOL[dtype])
+    c = torch.stack([products[:, :set_rows].sum(1), products[:, set_rows:].sum(1)], 1)  # [P, 2, blocks, span, w]
+    block_owner = owners.reshape(problems, 1, blocks, span, 1) - lows.reshape(problems, 1, blocks, 1, 1)
+    own = (block_owner == torch.arange(width) // k) & (owners.reshape(problems, 1, blocks, span, 1) >= 0)
+    c = c * own
+    values = torch.nn.functional.pad(v.cpu().double(), (0, 0, 0, blocks * span - n))
+    values = values.reshape(problems, 1, blocks, span, -1)
+    expected_mass, expected_vals = c.sum(3), c.transpose(-1, -2) @ values
+    bound_vals = (c.transpose(-1, -2) @ values.abs()).amax().clamp_min(1e-12)
+    scale = expected_mass.abs().amax().clamp_min(1e-12)
+    torch.testing.assert_close(mass.cpu().double() / scale, expected_mass / scale, rtol=0, atol=TOL[dtype])
+    torch.testing.assert_close(vals.cpu().double() / bound_vals, expected_vals / bound_vals, rtol=0, atol=TOL[dtype])
     if k != 16:
         return
-    whole = kernel.block_products(q, keys, 0.3, positions, lse, kept_prob.to(DEVICE), lows.to(DEVICE), k, span, width)
-    assert whole.shape == (problems, 1, blocks, span, width)  # one set of every row: the sets' sum
-    torch.testing.assert_close(whole.cpu().double()[:, 0] / scale, expected.sum(1) / scale, rtol=0, atol=TOL[dtype])
+    whole_mass, whole_vals = launch()  # one set of every row: the sets' sums
+    assert whole_mass.shape == (problems, 1, blocks, width)
+    torch.testing.assert_close(whole_mass.cpu().double()[:, 0] / scale, expected_mass.sum(1) / scale, rtol=0,
+                               atol=2 * TOL[dtype])  # fmt: skip
+    torch.testing.assert_close(whole_vals.cpu().double()[:, 0] / bound_vals, expected_vals.sum(1) / bound_vals,
+                               rtol=0, atol=2 * TOL[dtype])  # fmt: skip
 
 
-def test_block_products_set_rows_error_names_the_range():
+def test_block_sums_errors_name_the_parameter():
     q, keys, v = make_inputs(1, 8, 40, 16, 16, torch.float32, seed=1)
     lse = torch.zeros(1, 8, device=DEVICE)
+    kept_prob, lows = torch.rand(1, 8, 16, device=DEVICE), torch.zeros(1, 1, dtype=torch.int64, device=DEVICE)
+    owners = torch.zeros(1, 64, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=r"set_rows: must be in \[1, 8\]"):
-        kernel.block_products(
-            q, keys, 0.3, None, lse, torch.rand(1, 8, 16, device=DEVICE), torch.zeros(1, 1, dtype=torch.int64,
-            device=DEVICE), 16, 64, 80, set_rows=9,
-        )  # fmt: skip
+        kernel.block_sums(q, keys, v, 0.3, None, lse, kept_prob, lows, owners, 16, 64, 80, set_rows=9)
+    with pytest.raises(ValueError, match=r"owners: must have shape \(1, 64\), got \(1, 40\)"):
+        kernel.block_sums(q, keys, v, 0.3, None, lse, kept_prob, lows, owners[:, :40], 16, 64, 80)
 
 
 def _fit_problem(dtype, seed, causal, bin_rows, heads_kv=2, group=3, m=24, n=260, d=32):

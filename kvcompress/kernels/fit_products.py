@@ -9,17 +9,19 @@ For one fit problem (a (batch row, KV head) pair) with query rows ``r`` (each wi
 * :func:`attention_rows`, one program per (problem, block of rows, split of the keys), FlashAttention's forward:
   ``lse_r`` and the exact attention output ``sum_j p_rj v_j`` (the fit's validation target), online over the key
   tiles a row sees, the splits combined by their log-sum-exp.
-* :func:`block_products`, one program per (problem, block of ``span`` positions, set of rows): ``c[j, w] = sum_r
-  p_rj a[r, w]`` over the set's rows, for the block's positions ``j`` against ``width`` columns of ``a`` (the kept
-  rows' probabilities) starting at column ``low * bin_rows`` (``low``: the first bin the block meets), the products
-  behind the fit's right-hand sides (:func:`kvcompress.fit_equations._sums`; the sets: the fit's two query halves).
-  It recomputes each ``p_rj`` from the rows' ``lse_r``.
+* :func:`block_sums`, one program per (problem, block of ``span`` positions, set of rows): ``c[j, w] = sum_r p_rj
+  a[r, w]`` over the set's rows, for the block's positions ``j`` against ``width`` columns of ``a`` (the kept rows'
+  probabilities) starting at column ``low * bin_rows`` (``low``: the first bin the block meets), kept where column
+  w's bin owns position j, then summed over the block's positions, alone and times the values ``v_j``: the fit's
+  right-hand sides' partials (:func:`kvcompress.fit_equations._right_hand_sides`; the sets: the fit's two query
+  halves). It recomputes each ``p_rj`` from the rows' ``lse_r``.
 
 Logit dots run on the inputs' dtype (bf16 / fp16 tensor cores; fp32 as IEEE fp32) with fp32 accumulation; the
 probabilities' products on TF32 for a 16-bit context (each probability rounded to TF32's 10-bit mantissa, as the
-PyTorch path's TF32 products round it) and IEEE fp32 for a float32 one. Any strides, no copies. Work per problem:
-``2 m n (2 d + d_v + width)`` FLOPs (the logits twice, the outputs, the products), memory ``O(m d_v + n width)``
-for the results, no ``m x n`` buffer. Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU
+PyTorch path's TF32 products round it) and IEEE fp32 for a float32 one; so do the products with the values. Any
+strides, no copies. Work per problem: ``2 m n (2 d + d_v + width) + 2 n width d_v`` FLOPs (the logits twice, the
+outputs, the products, the values' products), memory ``O(m d_v + n width d_v / span)`` for the results, no ``m x n``
+buffer. Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU
 tensors (tests).
 """
 
@@ -39,6 +41,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit sa
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_WIDTH = 128  # columns of a block's products (one fp32 accumulator tile [span, width] per program)
+VALUE_CHUNK = 16  # value columns per product of :func:`block_sums`' epilogue (wider ones spilled on sm_90)
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
 
@@ -114,15 +117,17 @@ def _attention_rows_kernel(
 
 
 @triton.jit
-def _block_products_kernel(
-    q_ptr, k_ptr, pos_ptr, lse_ptr, a_ptr, low_ptr, c_ptr,
-    M, SET_ROWS, N, D, COLS, SPAN, WIDTH, BIN_ROWS, qk_scale,
-    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_p, s_ap, s_am, s_ac, s_lp, s_lb, s_cp, s_cr, s_cb, s_cs, s_cw,
+def _block_sums_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, lse_ptr, a_ptr, low_ptr, owner_ptr, mass_ptr, vals_ptr,
+    M, SET_ROWS, N, D, DV, COLS, SPAN, WIDTH, BIN_ROWS, qk_scale,
+    s_qp, s_qm, s_qd, s_kp, s_kn, s_kd, s_vp, s_vn, s_vd, s_p, s_ap, s_am, s_ac, s_lp, s_lb, s_op, s_on,
+    s_mp, s_mr, s_mb, s_mw, s_up, s_ur, s_ub, s_uw, s_ud,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_POS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_POS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (problem, block of SPAN positions, set of SET_ROWS rows): ``c[j, w] = sum_r p_rj a[r, low *
-    BIN_ROWS + w]`` over the set's rows ``r``."""
+    """One program per (problem, block of SPAN positions, set of SET_ROWS rows): the products ``c[j, w] = sum_r p_rj
+    a[r, low * BIN_ROWS + w]`` over the set's rows ``r``, kept where column w's bin is position j's owner, then summed
+    over the block's positions: ``mass[w] = sum_j c[j, w]`` and ``vals[w] = sum_j c[j, w] v_j``."""
     prob = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1).to(tl.int64)
     row_set = tl.program_id(2).to(tl.int64)
@@ -156,9 +161,21 @@ def _block_products_kernel(
             a = tl.load(a_base + offs_m[:, None] * s_am + offs_w[None, :] * s_ac,
                         mask=m_mask[:, None] & w_mask[None, :], other=0.0)  # fmt: skip
             acc += tl.dot(tl.trans(p), a, input_precision=PRECISION)
-    c_base = c_ptr + prob * s_cp + row_set * s_cr + block * s_cb
-    tl.store(c_base + slots[:, None] * s_cs + columns[None, :] * s_cw, acc,
-             mask=(slots < SPAN)[:, None] & (columns < WIDTH)[None, :])  # fmt: skip
+    # Each position's products with its own bin's kept rows only (its bin among the block's: owner - low).
+    owners = tl.load(owner_ptr + prob * s_op + offs_s * s_on, mask=s_mask, other=-1)
+    own = ((owners - low)[:, None] == (columns // BIN_ROWS)[None, :]) & (owners >= 0)[:, None]
+    acc = tl.where(own, acc, 0.0)
+    out_w = columns < WIDTH
+    tl.store(mass_ptr + prob * s_mp + row_set * s_mr + block * s_mb + columns * s_mw, tl.sum(acc, 0), mask=out_w)
+    acc_t = tl.trans(acc)  # [BLOCK_W, BLOCK_S]
+    vals_base = vals_ptr + prob * s_up + row_set * s_ur + block * s_ub + columns[:, None] * s_uw
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for dv0 in range(0, DV, BLOCK_DV):  # the values' columns in chunks: fewer live registers than one wide product
+        dv = dv0 + offs_dv
+        v = tl.load(v_ptr + prob * s_vp + offs_s[:, None] * s_vn + dv[None, :] * s_vd,
+                    mask=s_mask[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        part = tl.dot(acc_t, v, input_precision=PRECISION)  # [BLOCK_W, BLOCK_DV]
+        tl.store(vals_base + dv[None, :] * s_ud, part, mask=out_w[:, None] & (dv < DV)[None, :])
 
 
 def unsupported_reason(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, width: int) -> str | None:
@@ -207,16 +224,19 @@ def products_config(
     dim: int, span: int, width: int, dtype: torch.dtype, has_pos: bool, block_m: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
 ) -> dict:  # fmt: skip
-    """Launch options of :func:`block_products` for these sizes; ``block_m`` (the row tile), ``num_warps`` and
+    """Launch options of :func:`block_sums` for these sizes; ``block_m`` (the row tile), ``num_warps`` and
     ``num_stages`` override them (tests, tile sweeps)."""
     block_d = max(16, triton.next_power_of_2(dim))
     block_s = max(16, triton.next_power_of_2(span))
     block_w = max(16, triton.next_power_of_2(width))
     dot_fp32, precision = _modes(dtype)
-    rows = 16 if dtype == torch.float32 else 32 if block_d > 128 else 64  # no spills on sm_90 (compile_kernels)
+    # No spills on sm_90 at head dims 64-256 (``python -m eval.compile_kernels``) but float32's 8-24 B a thread at
+    # 16 warps, whose FMA products with the values spilled 2-7 KB at 8 warps.
+    fp32 = dtype == torch.float32
+    rows = 16 if fp32 else 32 if block_d > 128 else 64
     return dict(
-        BLOCK_M=block_m or rows, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d,
-        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or 8,
+        BLOCK_M=block_m or rows, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d, BLOCK_DV=VALUE_CHUNK,
+        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or (16 if fp32 else 8),
         num_stages=num_stages or 2,
     )  # fmt: skip
 
@@ -280,14 +300,16 @@ def attention_rows(
     return lse.masked_fill_(lse == float("-inf"), float("inf")), out
 
 
-def block_products(
+def block_sums(
     queries: torch.Tensor,
     keys: torch.Tensor,
+    values: torch.Tensor,
     scaling: float,
     positions: torch.Tensor | None,
     lse: torch.Tensor,
     kept_prob: torch.Tensor,
     lows: torch.Tensor,
+    owners: torch.Tensor,
     bin_rows: int,
     span: int,
     width: int,
@@ -296,30 +318,38 @@ def block_products(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> torch.Tensor:
-    """queries ``[P, M, d]``, keys ``[P, n, d]`` and ``positions`` as in :func:`attention_rows`, ``lse [P, M]`` its
-    result; ``kept_prob [P, M, C]`` float32, ``lows [P, blocks]`` int64 (``blocks = ceil(n / span)``). The rows are
-    summed in sets of ``set_rows`` consecutive rows (the last set may be shorter; None: one set of all ``M``), so
-    that the fit's two query halves take one launch; ``block_m``, ``num_warps`` and ``num_stages`` override the
-    launch (tests, tile sweeps). Returns ``[P, sets, blocks, span, width]`` float32: block b's
-    position ``b * span + i`` against columns ``lows[:, b] * bin_rows + w`` of ``kept_prob``, summed over one set's
-    rows (0 for positions >= n and columns >= C)."""
-    reason = unsupported_reason(queries, keys, keys, width)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fit's right-hand-side partials per block of ``span`` positions, never holding the ``[M, n]``
+    probabilities or the block products. queries ``[P, M, d]``, keys ``[P, n, d]``, values ``[P, n, d_v]`` and
+    ``positions`` as in :func:`attention_rows`, ``lse [P, M]`` its result; ``kept_prob [P, M, C]`` float32, ``lows
+    [P, blocks]`` int64 (``blocks = ceil(n / span)``) each block's first bin, ``owners [P, blocks * span]`` int64
+    each position's bin (-1: none). With ``c[j, w]`` block b's position ``j = b * span + i`` against column ``lows[:,
+    b] * bin_rows + w`` of ``kept_prob`` summed over a set's rows, kept where ``owners[j] - lows[:, b] == w //
+    bin_rows`` (0 for positions >= n and columns >= C), returns ``mass [P, sets, blocks, width]`` (``sum_j c[j,
+    w]``) and ``vals [P, sets, blocks, width, d_v]`` (``sum_j c[j, w] v_j``), float32. The rows are summed in sets
+    of ``set_rows`` consecutive rows (the last set may be shorter; None: one set of all ``M``), so that the fit's
+    two query halves take one launch; ``block_m``, ``num_warps`` and ``num_stages`` override the launch (tests,
+    tile sweeps)."""
+    reason = unsupported_reason(queries, keys, values, width)
     if reason is not None:
         raise ValueError(f"fit products kernel: {reason}")
     problems, m, dim = queries.shape
-    n, cols = keys.shape[1], kept_prob.shape[-1]
+    n, cols, d_v = keys.shape[1], kept_prob.shape[-1], values.shape[-1]
     set_rows = m if set_rows is None else set_rows
     if not 1 <= set_rows <= m:
         raise ValueError(f"set_rows: must be in [1, {m}] (the number of query rows), got {set_rows}")
     sets, blocks = -(-m // set_rows), lows.shape[1]
+    if owners.shape != (problems, blocks * span):
+        raise ValueError(f"owners: must have shape {(problems, blocks * span)}, got {tuple(owners.shape)}")
     config = products_config(dim, span, width, queries.dtype, positions is not None, block_m, num_warps, num_stages)
-    out = torch.empty(problems, sets, blocks, span, width, dtype=torch.float32, device=queries.device)
+    mass = torch.empty(problems, sets, blocks, width, dtype=torch.float32, device=queries.device)
+    vals = torch.empty(problems, sets, blocks, width, d_v, dtype=torch.float32, device=queries.device)
     pos = _positions(positions, queries.device)
-    _block_products_kernel[(problems, blocks, sets)](
-        queries, keys, pos, lse, kept_prob, lows, out, m, set_rows, n, dim, cols, span, width, bin_rows,
-        scaling * LOG2E,
-        *queries.stride(), *keys.stride(), pos.stride(0), *kept_prob.stride(), *lows.stride(), *out.stride(),
+    _block_sums_kernel[(problems, blocks, sets)](
+        queries, keys, values, pos, lse, kept_prob, lows, owners, mass, vals,
+        m, set_rows, n, dim, d_v, cols, span, width, bin_rows, scaling * LOG2E,
+        *queries.stride(), *keys.stride(), *values.stride(), pos.stride(0), *kept_prob.stride(), *lows.stride(),
+        *owners.stride(), *mass.stride(), *vals.stride(),
         **config,
     )  # fmt: skip
-    return out
+    return mass, vals
