@@ -17,6 +17,9 @@ from kvcompress.lambert import RHO0, lambert_w0
 
 # Residual diagonal of the Gaussian kernel (its diagonal is 1) below which a bin counts as exhausted.
 _EXHAUSTED = {torch.float32: 1e-5, torch.float64: 1e-12}
+# Largest (|y_l|^2 - |y_s|^2) / 2 of a bin that float32 computes: Gaussian entries it flushes (below 2^-126) times
+# e^60 stay under 2e-12, far below float32's rounding of the weights.
+_FLOAT32_SPREAD = 60.0
 
 
 def temperature(
@@ -200,12 +203,7 @@ def compress_kv(
         raise ValueError(f"seed: must be an int or None, got {seed!r}")
     check_finite("keys", keys)
     check_finite("values", values)
-    if _use_triton(backend, keys, values, bins, per_bin):
-        result = _compress_kv_triton(keys, values, rank, bins, scaling, query_radius, seed)
-        if bool(torch.isfinite(result[2]).all()):
-            return result
-        # exp(|y|^2 / 2) overflowed float32 in the kernel: the reference below redoes it in float64 (same draws).
-
+    triton = _use_triton(backend, keys, values, bins, per_bin)
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     problems = math.prod(lead)
     flat_keys = keys.reshape(problems, n, dim)
@@ -220,9 +218,9 @@ def compress_kv(
     offsets = torch.arange(length, device=keys.device)
     valid = offsets[None, :] < sizes[:, None]  # [B, L]
     index = torch.where(valid, starts[:, None] + offsets[None, :], 0)  # [B, L]
-    binned = centred[:, index]  # [P, B, L, d]
+    norms = centred.norm(dim=-1)[:, index]  # [P, B, L]
 
-    key_radius = binned.norm(dim=-1).masked_fill(~valid, 0).amax(-1).to(torch.float64)  # [P, B]
+    key_radius = norms.masked_fill(~valid, 0).amax(-1).to(torch.float64)  # [P, B]
     if query_radius is None:
         q_radius = key_radius
     else:
@@ -230,14 +228,26 @@ def compress_kv(
     coefficient = kernel_coefficient(
         torch.tensor(scaling, dtype=torch.float64), q_radius, key_radius, sizes.to(torch.float64)[None, :]
     )
+    # RPNys maps its Gaussian-kernel weights back by exp((|y_l|^2 - |y_s|^2) / 2): past float32's range that factor
+    # meets Gaussian entries float32 flushed to 0 (0 * inf hides as 0, a lost weight), so such bins run in float64.
+    low = norms.masked_fill(~valid, math.inf).amin(-1).to(torch.float64)
+    spread = 0.5 * coefficient * (key_radius**2 - low**2)  # [P, B]
+    exact = compute == torch.float64 or bool((spread > _FLOAT32_SPREAD).any())
+    if triton and not exact:
+        result = _compress_kv_triton(keys, values, rank, bins, scaling, query_radius, seed)
+        if bool(torch.isfinite(result[2]).all()):
+            return result
+        # exp(|y|^2 / 2) overflowed float32 in the kernel: the reference below redoes it in float64 (same draws).
+    binned = centred[:, index]  # [P, B, L, d]
 
     key = rng.seed_key(seed)
     streams = torch.arange(problems * bins, device=keys.device, dtype=torch.int64).reshape(problems, bins)
     step_keys = torch.stack([rng.stream_step_key(key, streams, i) for i in range(per_bin)], -1)
-    result = rpnys(binned, per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
+    mask = valid.expand(problems, bins, length)
+    result = rpnys(binned.double() if exact else binned, per_bin, coefficient, step_keys, mask)
     if not bool(torch.isfinite(result.weights).all()):
         # exp(|y|^2 / 2) left the float32 range (huge beta R_Q R_K): redo the selection in float64.
-        result = rpnys(binned.double(), per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
+        result = rpnys(binned.double(), per_bin, coefficient, step_keys, mask)
 
     weights = result.weights  # [P, B, k, L]; float64 after the fallback above
     values_binned = flat_values.to(weights.dtype)[:, index] * valid[None, :, :, None]

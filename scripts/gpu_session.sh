@@ -8,7 +8,7 @@
 #
 # STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below but lse_prefill, in that
 # order; the seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers; the
-# eighteenth changed the fit and its block_products kernel, so the compiled kernel tests come first);
+# eighteenth changed the fit and its second kernel (block_sums), so the compiled kernel tests come first);
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
