@@ -166,7 +166,9 @@ def compress_kv(
 
     Returns ``K_S [..., rank, d]`` (the ORIGINAL selected keys, in ``keys.dtype``), ``V_S = W V``
     ``[..., rank, d_v]`` (``values.dtype``) and ``w = W 1`` ``[..., rank]`` (float32; float64 for float64
-    input). Rows of a bin whose residual ran out early are inert: ``w = 0`` and ``V_S = 0``.
+    input). Rows of a bin whose residual ran out early are inert: ``w = 0`` and ``V_S = 0``. float32 / 16-bit input
+    runs RPNys in float32 unless a bin's map-back factor ``exp((|y_l|^2 - |y_s|^2) / 2)`` could leave float32's
+    range (then in float64, on either backend) or its weights came out non-finite (then redone in float64).
 
     ``backend``: ``"torch"`` (this reference), ``"triton"`` (one fused kernel launch, see
     :mod:`kvcompress.kernels.rpnys`: same draws, hence the same pivots up to float32 rounding; fp16 / bf16 /
