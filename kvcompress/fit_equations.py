@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 25  # a chunk's block products and value products: at most 128 MiB each in float32
+_CHUNK_ELEMENTS = 1 << 25  # a chunk's held block products and their gathers: at most 128 MiB each in float32
 _QUERY_CHUNK_ELEMENTS = 1 << 25  # probabilities held at once: [P, queries, n] float32, 128 MiB
 _LOG2E = 1.4426950408889634
 
@@ -155,10 +155,11 @@ def held_sums(
     held probabilities ``prob [P, M, n]`` (blocks of ``k`` positions); ``kept_prob [P, M, T * k]`` their kept rows'
     (padded) columns, ``owner [P, n]`` each position's bin (-1: protected), non-decreasing along positions."""
     layout = _Layout.of(owner, bins, k, k)
-    width, (problems, d) = layout.touched * k, (values.shape[0], values.shape[-1])
+    width, (problems, m), d = layout.touched * k, prob.shape[:2], values.shape[-1]
     block_products = _torch_block_products(prob, kept_prob, bins, k, width)
     partials = _owned_partials(layout, values, k, lambda first, last, lows: block_products(first, last, lows)[:, None])
-    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * k, width * d)))
+    # A chunk's gathered kept-row probabilities [P, c, width, M], products and value products stay within the bound.
+    step = max(1, _CHUNK_ELEMENTS // max(1, problems * max(width * m, width * d, width * k)))
     mass, value_rhs = _right_hand_sides(layout, bins, k, 1, d, partials, step)
     return _gram(kept_prob, bins, k), mass[0], value_rhs[0]
 
