@@ -106,8 +106,8 @@ def _right_hand_sides(
     """
     lows, touched = layout.lows, layout.touched
     problems, count = lows.shape
-    mass = torch.zeros(problems, sets, bins, k, device=lows.device)
-    value_rhs = torch.zeros(problems, sets, bins, k, d, device=lows.device)
+    mass = torch.zeros(problems, sets, bins, k, dtype=torch.float32, device=lows.device)
+    value_rhs = torch.zeros(problems, sets, bins, k, d, dtype=torch.float32, device=lows.device)
     columns = torch.arange(touched, device=lows.device)
     for first in range(0, count, step):
         last = min(count, first + step)
@@ -306,5 +306,5 @@ def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, ke
         layout, kept.count, k, len(counts), values.shape[-1], lambda *_: partials, layout.lows.shape[1]
     )
     parts = _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))
-    grams = [_gram(rows, kept.count, k) for rows in kept_prob.split(counts, 1)]
+    grams = [_gram(half, kept.count, k) for half in kept_prob.split(counts, 1)]
     return [torch.stack(grams), mass, value_rhs], parts
