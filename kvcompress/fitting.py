@@ -117,8 +117,8 @@ def _solve(
         math.exp(-max_log_weight), math.exp(max_log_weight)
     )
     values = prior_values * weights[..., None]
-    if fit_values:
-        values = inverse @ (value_rhs + prior[..., None] * values)
+    if fit_values:  # value_rhs + prior * (w v), built in the product's buffer (no float64 temporaries of its size)
+        values = inverse @ values.mul_(prior[..., None]).add_(value_rhs)
         values = torch.where(pad[..., None], prior_values, values)
     return weights, values
 
