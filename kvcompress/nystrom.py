@@ -17,9 +17,10 @@ from kvcompress.lambert import RHO0, lambert_w0
 
 # Residual diagonal of the Gaussian kernel (its diagonal is 1) below which a bin counts as exhausted.
 _EXHAUSTED = {torch.float32: 1e-5, torch.float64: 1e-12}
-# Largest (|y_l|^2 - |y_s|^2) / 2 of a bin that float32 computes: Gaussian entries it flushes (below 2^-126) times
-# e^60 stay under 2e-12, far below float32's rounding of the weights.
-_FLOAT32_SPREAD = 60.0
+# Largest (|y_l|^2 - |y_s|^2) / 2 of a bin that RPNys computes in float32: Gaussian entries float32 flushes (below
+# 2^-126) times e^60 stay under 2e-12, far below float32's rounding of the weights. Past it the weights come back
+# non-finite (the callers' float64 fallback): a flushed entry times an infinite factor would otherwise hide as 0.
+FLOAT32_SPREAD = 60.0
 
 
 def temperature(
@@ -82,7 +83,9 @@ def rpnys(
     on G (bounded by 1); pivots are drawn from the residual diagonal of h, ``res_G(l) exp(|y_l|^2)``,
     by the Gumbel-max trick in log space; the weights are mapped back by
     ``W_h[s, l] = W_G[s, l] exp((|y_l|^2 - |y_s|^2) / 2)``. A bin whose residual is exhausted stops
-    early: its remaining rows are inert and the result is still an exact Nystrom approximation.
+    early: its remaining rows are inert and the result is still an exact Nystrom approximation. In float32, a
+    problem whose ``(max |y|^2 - min |y|^2) / 2`` exceeds ``FLOAT32_SPREAD`` gets NaN weights: recompute it in
+    float64.
     """
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     *lead, length, _ = keys.shape
@@ -131,6 +134,9 @@ def rpnys(
     chosen_sq = sq_norm.gather(1, pivots.clamp_min(0))
     weights = weights_g * torch.exp(0.5 * (sq_norm[:, None, :] - chosen_sq[:, :, None]))
     weights = torch.where(weights_g == 0, torch.zeros_like(weights), weights)
+    if compute == torch.float32:
+        spread = 0.5 * (sq_norm.masked_fill(~mask, -math.inf).amax(-1) - sq_norm.masked_fill(~mask, math.inf).amin(-1))
+        weights = torch.where((spread > FLOAT32_SPREAD)[:, None, None], math.nan, weights)
     return RPNysResult(pivots=pivots.reshape(*lead, rank), weights=weights.reshape(*lead, rank, length))
 
 
@@ -167,8 +173,9 @@ def compress_kv(
     Returns ``K_S [..., rank, d]`` (the ORIGINAL selected keys, in ``keys.dtype``), ``V_S = W V``
     ``[..., rank, d_v]`` (``values.dtype``) and ``w = W 1`` ``[..., rank]`` (float32; float64 for float64
     input). Rows of a bin whose residual ran out early are inert: ``w = 0`` and ``V_S = 0``. float32 / 16-bit input
-    runs RPNys in float32 unless a bin's map-back factor ``exp((|y_l|^2 - |y_s|^2) / 2)`` could leave float32's
-    range (then in float64, on either backend) or its weights came out non-finite (then redone in float64).
+    runs RPNys in float32 on either backend, and again in float64 (same draws) where its weights came out non-finite:
+    an overflow, or a bin whose map-back factor ``exp((|y_l|^2 - |y_s|^2) / 2)`` could leave float32's range
+    (:data:`FLOAT32_SPREAD`), which both backends report that way.
 
     ``backend``: ``"torch"`` (this reference), ``"triton"`` (one fused kernel launch, see
     :mod:`kvcompress.kernels.rpnys`: same draws, hence the same pivots up to float32 rounding; fp16 / bf16 /
@@ -205,7 +212,12 @@ def compress_kv(
         raise ValueError(f"seed: must be an int or None, got {seed!r}")
     check_finite("keys", keys)
     check_finite("values", values)
-    triton = _use_triton(backend, keys, values, bins, per_bin)
+    if _use_triton(backend, keys, values, bins, per_bin):
+        result = _compress_kv_triton(keys, values, rank, bins, scaling, query_radius, seed)
+        if bool(torch.isfinite(result[2]).all()):
+            return result
+        # exp(|y|^2 / 2) overflowed float32 in the kernel: the reference below redoes it in float64 (same draws).
+
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     problems = math.prod(lead)
     flat_keys = keys.reshape(problems, n, dim)
@@ -220,9 +232,9 @@ def compress_kv(
     offsets = torch.arange(length, device=keys.device)
     valid = offsets[None, :] < sizes[:, None]  # [B, L]
     index = torch.where(valid, starts[:, None] + offsets[None, :], 0)  # [B, L]
-    norms = centred.norm(dim=-1)[:, index]  # [P, B, L]
+    binned = centred[:, index]  # [P, B, L, d]
 
-    key_radius = norms.masked_fill(~valid, 0).amax(-1).to(torch.float64)  # [P, B]
+    key_radius = binned.norm(dim=-1).masked_fill(~valid, 0).amax(-1).to(torch.float64)  # [P, B]
     if query_radius is None:
         q_radius = key_radius
     else:
@@ -230,26 +242,14 @@ def compress_kv(
     coefficient = kernel_coefficient(
         torch.tensor(scaling, dtype=torch.float64), q_radius, key_radius, sizes.to(torch.float64)[None, :]
     )
-    # RPNys maps its Gaussian-kernel weights back by exp((|y_l|^2 - |y_s|^2) / 2): past float32's range that factor
-    # meets Gaussian entries float32 flushed to 0 (0 * inf hides as 0, a lost weight), so such bins run in float64.
-    low = norms.masked_fill(~valid, math.inf).amin(-1).to(torch.float64)
-    spread = 0.5 * coefficient * (key_radius**2 - low**2)  # [P, B]
-    exact = compute == torch.float64 or bool((spread > _FLOAT32_SPREAD).any())
-    if triton and not exact:
-        result = _compress_kv_triton(keys, values, rank, bins, scaling, query_radius, seed)
-        if bool(torch.isfinite(result[2]).all()):
-            return result
-        # exp(|y|^2 / 2) overflowed float32 in the kernel: the reference below redoes it in float64 (same draws).
-    binned = centred[:, index]  # [P, B, L, d]
 
     key = rng.seed_key(seed)
     streams = torch.arange(problems * bins, device=keys.device, dtype=torch.int64).reshape(problems, bins)
     step_keys = torch.stack([rng.stream_step_key(key, streams, i) for i in range(per_bin)], -1)
-    mask = valid.expand(problems, bins, length)
-    result = rpnys(binned.double() if exact else binned, per_bin, coefficient, step_keys, mask)
+    result = rpnys(binned, per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
     if not bool(torch.isfinite(result.weights).all()):
         # exp(|y|^2 / 2) left the float32 range (huge beta R_Q R_K): redo the selection in float64.
-        result = rpnys(binned.double(), per_bin, coefficient, step_keys, mask)
+        result = rpnys(binned.double(), per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
 
     weights = result.weights  # [P, B, k, L]; float64 after the fallback above
     values_binned = flat_values.to(weights.dtype)[:, index] * valid[None, :, :, None]

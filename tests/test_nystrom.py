@@ -362,24 +362,25 @@ def test_float32_overflow_falls_back_to_float64_selection():
 def test_bins_past_float32s_range_run_in_float64(monkeypatch):
     """RPNys maps its Gaussian-kernel weights back by exp((|y_l|^2 - |y_s|^2) / 2). Past float32's range that factor
     is inf where float32 flushed the Gaussian entry to 0, and 0 * inf is hidden as 0: a lost weight that no
-    finiteness check sees (how many entries flush differs between CPUs' exp). Such bins run in float64 from the start;
-    bins well inside the range keep float32."""
+    finiteness check would see (how many entries flush differs between CPUs' exp). So float32 RPNys reports such a
+    bin as non-finite and compress_kv redoes it in float64; bins well inside the range keep float32."""
     import kvcompress.nystrom as nystrom
 
     seen = []
     original = nystrom.rpnys
 
     def recording(keys, *args, **kwargs):
-        seen.append(keys.dtype)
-        return original(keys, *args, **kwargs)
+        result = original(keys, *args, **kwargs)
+        seen.append((keys.dtype, bool(torch.isfinite(result.weights).all())))
+        return result
 
     monkeypatch.setattr(nystrom, "rpnys", recording)
     gen = torch.Generator().manual_seed(39)
     keys = torch.exp(1.5 * torch.randn(128, 1, generator=gen)) * torch.randn(128, 16, generator=gen)
     values = torch.randn(128, 16, generator=gen)
     compress_kv(keys, values, 16, query_radius=float(keys.norm(dim=-1).max()), seed=0)  # spread in the thousands
-    assert seen == [torch.float64]
+    assert seen == [(torch.float32, False), (torch.float64, True)]
     seen.clear()
     plain = torch.randn(128, 16, generator=gen)
     k_s, v_s, w = compress_kv(plain, values, 16, seed=0)  # gaussian keys, R_Q = R_K: a spread of a few units
-    assert seen == [torch.float32] and w.dtype == torch.float32 and torch.isfinite(v_s).all()
+    assert seen == [(torch.float32, True)] and w.dtype == torch.float32 and torch.isfinite(v_s).all()

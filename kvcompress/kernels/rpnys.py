@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kvcompress.lambert import RHO0
+from kvcompress.nystrom import FLOAT32_SPREAD
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when this kernel was defined
 
@@ -93,7 +94,7 @@ def _rpnys_bins_kernel(
     s_ksp, s_ksr, s_ksd,
     s_vsp, s_vsr, s_vsd,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HAS_QR: tl.constexpr, FLOOR: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_QR: tl.constexpr, FLOOR: tl.constexpr, SPREAD: tl.constexpr,
 ):  # fmt: skip
     """One program = bin ``b`` of problem ``p``: Alg. 1 for ``K`` pivots, then ``K_S``, ``V_S``, ``w`` (see module)."""
     p = tl.program_id(0)
@@ -187,6 +188,9 @@ def _rpnys_bins_kernel(
     weights_g = tl.dot(inverse, kernel_rows, input_precision="ieee")  # [BLOCK_K, BLOCK_L]
     weights = weights_g * tl.exp(0.5 * (sq[None, :] - pivot_sq[:, None]))
     weights = tl.where(weights_g == 0, 0.0, weights)
+    # A factor past float32's range meets entries flushed to 0 (0 * inf hidden as 0): NaN, the caller's fallback.
+    spread = 0.5 * (tl.max(tl.where(valid, sq, -float("inf")), 0) - tl.min(tl.where(valid, sq, float("inf")), 0))
+    weights = tl.where(spread > SPREAD, float("nan"), weights)
 
     # ---- outputs: w = W 1, V_S = W V, K_S = original pivot keys (inert rows repeat the first pivot)
     out_rows = b * K + offs_k
@@ -250,7 +254,7 @@ def launch_options(n: int, dim: int, dim_v: int, rank: int, bins: int, has_radiu
     tile = block_l * max(block_d, block_dv)
     return dict(
         K=per_bin, BLOCK_K=max(16, triton.next_power_of_2(per_bin)), BLOCK_L=block_l, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, HAS_QR=has_radius, FLOOR=EXHAUSTED,
+        BLOCK_DV=block_dv, HAS_QR=has_radius, FLOOR=EXHAUSTED, SPREAD=FLOAT32_SPREAD,
         num_warps=4 if tile <= 4096 else 8 if tile <= 16384 else 16, num_stages=1,
     )  # fmt: skip
 
