@@ -10,7 +10,9 @@ memory one call allocates above its inputs (CUDA: the allocator's peak; CPU: the
 reset before the call, on Linux).
 ``--backends torch triton`` times the fit's two paths on the same cases (the fused kernels run on CUDA, or on CPU
 under ``TRITON_INTERPRET=1``, far slower there). ``--profile`` prints the top operators of one more call (device
-time on CUDA, CPU time otherwise): where the time goes. ``--kernel-tiles`` times the fused path's two kernels of the
+time on CUDA, CPU time otherwise): where the time goes. ``--known-rows`` hands the fit its queries' log-sum-exp
+and outputs, as the default's prefill call hands over its window queries' (its fit then runs one kernel, not two).
+``--kernel-tiles`` times the fused path's two kernels of the
 last case alone with the launchers' tiles and with ``ROWS_TILES`` / ``PRODUCTS_TILES`` (TFLOP/s and agreement). On
 CPU the seconds are this machine's; ratios within one run are the figures to compare.
 
@@ -63,10 +65,24 @@ def make_case(
     )
 
 
+def known_rows(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's queries' causal log-sum-exp ``[1, h_q, m]`` and attention outputs ``[1, h_q, m, d]`` (float32, one
+    query head at a time), what the default press's prefill call hands its fit for the window's queries."""
+    keys, values, queries = case["keys"].float(), case["values"].float(), case["queries"].float()
+    group = queries.shape[1] // keys.shape[1]
+    hidden = torch.arange(keys.shape[2], device=keys.device) > case["query_positions"][:, None]
+    lse, outputs = [], []
+    for head in range(queries.shape[1]):
+        logits = (queries[0, head] @ keys[0, head // group].T * case["scaling"]).masked_fill_(hidden, -torch.inf)
+        lse.append(logits.logsumexp(-1))
+        outputs.append(logits.sub_(lse[-1][:, None]).exp_() @ values[0, head // group])
+    return torch.stack(lse)[None], torch.stack(outputs)[None]
+
+
 def _call(case: dict[str, Any], backend: str = "auto"):
     return fit_kept_rows(
         case["keys"], case["values"], case["kept"], case["protected"], case["queries"], case["scaling"],
-        query_positions=case["query_positions"], backend=backend,
+        query_positions=case["query_positions"], backend=backend, known_rows=case.get("known_rows"),
     )  # fmt: skip
 
 
@@ -107,7 +123,7 @@ def capture_kernel_calls(case: dict[str, Any]) -> dict[str, tuple[tuple, dict]]:
     try:
         for name in originals:
             setattr(fit_products, name, recorder(name))
-        _call(case, "triton")
+        _call({**case, "known_rows": None}, "triton")  # every kernel, the first one included
     finally:
         for name, original in originals.items():
             setattr(fit_products, name, original)
@@ -181,6 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--backends", nargs="+", choices=BACKENDS, default=["auto"],
         help="fit paths, a row each: torch (probabilities held), triton (fused kernels), auto (default)",
     )  # fmt: skip
+    p.add_argument(
+        "--known-rows", action="store_true",
+        help="give the fit its queries' log-sum-exp and outputs, as the default's prefill gives its window queries' "
+        "(cases of at most 64 queries: the window's)",
+    )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print the top operators of the last row's case")
     p.add_argument(
         "--kernel-tiles", action="store_true",
@@ -195,6 +216,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         low = SINK + WINDOW + 16 if name == "contexts" else 2
         if min(getattr(args, name)) < low:
             p.error(f"--{name}: every value must be >= {low}, got {getattr(args, name)}")
+    if args.known_rows and max(args.queries) > WINDOW:
+        p.error(f"--known-rows: the prefill gives only the window's rows, --queries must be <= {WINDOW}")
     return args
 
 
@@ -208,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for context, m in itertools.product(args.contexts, args.queries):
         case = make_case(context, args.kept, m, *args.heads, args.head_dim, DTYPES[args.dtype], device)
+        if args.known_rows:
+            case["known_rows"] = known_rows(case)
         for backend in args.backends:  # the same case on every path
             call = functools.partial(_call, case, backend)
             peak = peak_mib(call, device)  # the case's first call: the least freed memory to reuse
@@ -217,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             row = dict(
                 backend=backend, context=context, queries=m, kept_rows=int(case["kept"].shape[-1]),
                 median_ms=1e3 * median, min_ms=1e3 * min(seconds), model_s=median * args.layers, accepted=accepted,
-                samples=len(seconds), peak_mib=peak,
+                samples=len(seconds), peak_mib=peak, known_rows=args.known_rows,
             )  # fmt: skip
             rows.append(row)
             print(

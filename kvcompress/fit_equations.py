@@ -194,12 +194,13 @@ def normal_equations(
     scaling: float,
     kept: KeptBins,
 ) -> tuple[list, tuple]:
-    """The sets of reference queries ``(queries [P, M_s, d], positions [M_s] or None: every row)``' Grams ``[S, P, T,
-    k, k]``, mass and value right-hand sides (float64, :func:`_gram`, :func:`_right_hand_sides`) and the validation
-    parts of every set's rows in turn (:func:`_check_parts`, float32). keys ``[P, n, d]`` and values ``[P, n, d_v]``
-    in the context's dtype, ``flat_values`` the values in float32. ``kernels``: :func:`fused_kernels`'s module (every
-    set in one pass: each set but the last must have the first one's row count), or None for the held
-    probabilities (one set at a time)."""
+    """The sets of reference queries ``(queries [P, M_s, d], positions [M_s] or None: every row, known)``' Grams
+    ``[S, P, T, k, k]``, mass and value right-hand sides (float64, :func:`_gram`, :func:`_right_hand_sides`) and the
+    validation parts of every set's rows in turn (:func:`_check_parts`, float32). ``known``: None, or the rows' ``(lse
+    [P, M_s]`` natural log, ``exact outputs [P, M_s, d_v])`` float32 from an attention that already ran (then not
+    computed again). keys ``[P, n, d]`` and values ``[P, n, d_v]`` in the context's dtype, ``flat_values`` the values
+    in float32. ``kernels``: :func:`fused_kernels`'s module (every set in one pass: each set but the last must have
+    the first one's row count), or None for the held probabilities (one set at a time)."""
     if kernels is not None:
         return _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, kept)
     padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
@@ -208,20 +209,17 @@ def normal_equations(
     guarded_values = flat_values.index_select(1, protected_rows)
     step = max(1, _QUERY_CHUNK_ELEMENTS // (problems * n))
     sums, checks = [], []
-    for queries, positions in query_sets:
+    for queries, positions, known in query_sets:
         total, chunks = None, []
         for first in range(0, queries.shape[1], step):
-            prob = _probabilities(
-                queries[:, first : first + step],
-                flat_keys,
-                scaling,
-                None if positions is None else positions[first : first + step],
-            )
+            rows = slice(first, first + step)
+            prob = _probabilities(queries[:, rows], flat_keys, scaling, None if positions is None else positions[rows])
             kept_prob = prob.gather(2, padded[:, None, :].expand(-1, prob.shape[1], -1))  # [P, M, T * k]
             part = held_sums(prob, kept_prob, owner, flat_values, kept.count, kept.k)
             total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
             guarded = prob.index_select(2, protected_rows)  # [P, M, p]
-            chunks.append(_check_parts(kept_prob[..., : kept.r], prob @ flat_values, guarded, guarded_values))
+            exact = prob @ flat_values if known is None else known[1][:, rows]
+            chunks.append(_check_parts(kept_prob[..., : kept.r], exact, guarded, guarded_values))
             del prob, kept_prob
         sums.append(total)
         checks.extend(chunks)
@@ -283,15 +281,19 @@ def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, ke
     padded, owner, protected_rows = kept.padded, kept.owner, kept.protected_rows
     span, width = fused_block(k)
     layout = _Layout.of(owner, kept.count, k, span)
-    counts = [queries.shape[1] for queries, _ in query_sets]
+    counts = [queries.shape[1] for queries, _, _ in query_sets]
     if any(count != counts[0] for count in counts[:-1]) or counts[-1] > counts[0]:
         raise ValueError(f"query_sets: every set but the last must have the first one's rows, got {counts}")
-    queries = torch.cat([queries for queries, _ in query_sets], 1) if len(query_sets) > 1 else query_sets[0][0]
-    has_positions = [positions is not None for _, positions in query_sets]
+    queries = torch.cat([queries for queries, _, _ in query_sets], 1) if len(query_sets) > 1 else query_sets[0][0]
+    has_positions = [positions is not None for _, positions, _ in query_sets]
     if any(has_positions) and not all(has_positions):
         raise ValueError("query_sets: positions must be given for every set or for none")
-    positions = torch.cat([positions for _, positions in query_sets]) if all(has_positions) else None
-    lse, exact = kernels.attention_rows(queries, keys, values, scaling, positions)
+    positions = torch.cat([positions for _, positions, _ in query_sets]) if all(has_positions) else None
+    if all(known is not None for _, _, known in query_sets):  # the rows' attention already ran: no first pass
+        lse = torch.cat([known[0] for _, _, known in query_sets], 1) * _LOG2E
+        exact = torch.cat([known[1] for _, _, known in query_sets], 1)
+    else:
+        lse, exact = kernels.attention_rows(queries, keys, values, scaling, positions)
     # The kept and protected rows' probabilities from one product over both key lists.
     rows = torch.cat([padded, protected_rows.expand(padded.shape[0], -1)], 1)  # [P, T * k + p]
     row_keys = keys.gather(1, rows[..., None].expand(-1, -1, dim))

@@ -173,6 +173,7 @@ def fit_kept_rows(
     fit_values: bool = True,
     max_log_weight: float = 3.0,
     backend: str = "auto",
+    known_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> FitResult:
     """Fit the kept rows of a context to reference queries (module docstring).
 
@@ -188,18 +189,35 @@ def fit_kept_rows(
     head (the validation split). ``backend``: ``"torch"`` holds the probabilities a chunk of queries at a time;
     ``"triton"`` never holds them (:mod:`kvcompress.kernels.fit_products`: CUDA tensors, or CPU ones under
     ``TRITON_INTERPRET=1``); ``"auto"``: the kernels on CUDA where they can run, else the PyTorch path.
+    ``known_rows``: the queries' ``(log-sum-exp [b, h_q, m]`` (natural log, over the keys each one sees), ``exact
+    attention outputs [b, h_q, m, d_v])`` where an attention that already ran over these keys gave them (the
+    prefill's own call, for the window's queries): the fused path then skips its first kernel, the PyTorch path its
+    product with the values; the fit's validation compares against those outputs.
     """
     check_backend(backend)
+    if known_rows is not None:
+        _check_known_rows(known_rows, queries, values)
     with _tensor_core_products(keys.device, keys.dtype):
         return _fit(
             keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values,
-            max_log_weight, backend,
+            max_log_weight, backend, known_rows,
         )  # fmt: skip
+
+
+def _check_known_rows(known_rows, queries: torch.Tensor, values: torch.Tensor) -> None:
+    if not isinstance(known_rows, (tuple, list)) or len(known_rows) != 2:
+        raise ValueError("known_rows: must be a pair (log-sum-exp [b, h_q, m], exact outputs [b, h_q, m, d_v])")
+    lse, exact = known_rows
+    rows, d_v = tuple(queries.shape[:3]), values.shape[-1]
+    for name, x, shape in (("log-sum-exp", lse, rows), ("exact outputs", exact, (*rows, d_v))):
+        if not x.is_floating_point() or tuple(x.shape) != shape or x.device != queries.device:
+            want = f"floating, of shape {list(shape)} on {queries.device}"
+            raise ValueError(f"known_rows: its {name} must be {want}, got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
 def _fit(
     keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values, max_log_weight,
-    backend,
+    backend, known_rows,
 ) -> FitResult:  # fmt: skip
     """:func:`fit_kept_rows`'s work, with its arguments."""
     batch, heads_kv, n, dim = keys.shape
@@ -211,6 +229,9 @@ def _fit(
     flat_kept = kept.reshape(problems, r)
     grouped = queries.reshape(batch, heads_kv, group * m, dim).reshape(problems, group * m, dim)
     positions = None if query_positions is None else query_positions.to(keys.device).repeat(group)
+    if known_rows is not None:  # as the queries: [P, group * m] and [P, group * m, d_v]
+        lse, exact = known_rows
+        known_rows = (lse.float().reshape(problems, group * m), exact.float().reshape(problems, group * m, d_v))
 
     k = min(bin_rows, r)
     bins = -(-r // k)
@@ -229,11 +250,18 @@ def _fit(
     context_keys = keys.reshape(problems, n, dim)
     if kernels is None:  # the held probabilities' float32 products: convert once, not per half
         context_keys = context_keys.float()
-    halves = [(grouped[:, start::2], None if positions is None else positions[start::2]) for start in (0, 1)]
+    halves = [
+        (
+            grouped[:, start::2],
+            None if positions is None else positions[start::2],
+            None if known_rows is None else tuple(x[:, start::2] for x in known_rows),
+        )
+        for start in (0, 1)
+    ]
     sums, parts = normal_equations(
         kernels, halves, context_keys, values.reshape(problems, n, d_v), flat_values, scaling, kept_bins
     )
-    checks = _QuerySets(*parts, counts=[queries.shape[1] for queries, _ in halves])
+    checks = _QuerySets(*parts, counts=[queries.shape[1] for queries, _, _ in halves])
     prior_values = flat_values.gather(1, padded[..., None].expand(-1, -1, d_v)).reshape(problems, bins, k, d_v)
 
     def flat(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -33,8 +35,28 @@ logger = hf_logging.get_logger(__name__)
 _NEW_TOKENS_SEE_ALL_CACHED: ContextVar[bool] = ContextVar("kvcompress_new_tokens_see_all_cached", default=False)
 # While a repeat pass records: [layer_idx, lse] of the last chunk attention split at the context's end (or []).
 _CONTEXT_LSE: ContextVar[list | None] = ContextVar("kvcompress_context_lse", default=None)
-# While a press wants the prefill's rows: layer_idx -> (post-RoPE queries, causal log-sum-exp) of its prefill call.
-_PREFILL_ROWS: ContextVar[dict | None] = ContextVar("kvcompress_prefill_rows", default=None)
+
+
+class PrefillRows(NamedTuple):
+    """What one layer's prefill attention call hands over: its post-RoPE queries ``[b, h_q, n, d]``, their causal
+    log-sum-exp ``[b, h_q, n]`` (float32, natural log) and the attention outputs ``[b, h_q, t, d_v]`` of its last
+    ``t`` rows (the query's dtype; None when none were asked for)."""
+
+    queries: torch.Tensor
+    lse: torch.Tensor
+    last_outputs: torch.Tensor | None
+
+
+@dataclass
+class _PrefillSlot:
+    """The handed-over rows by layer index, and how many last rows' outputs each call keeps."""
+
+    output_rows: int
+    layers: dict = field(default_factory=dict)
+
+
+# While a press wants the prefill's rows: where its prefill calls hand them over (one layer's at a time).
+_PREFILL_ROWS: ContextVar[_PrefillSlot | None] = ContextVar("kvcompress_prefill_rows", default=None)
 
 
 @contextmanager
@@ -110,24 +132,24 @@ def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.T
 
 
 @contextmanager
-def handing_over_prefill_rows() -> Iterator[None]:
+def handing_over_prefill_rows(output_rows: int = 0) -> Iterator[None]:
     """Inside (a press whose prior reads every prefill query, ``"induction"``): an unpadded causal prefill call runs
     an attention that also returns its row log-sum-exp (the fused kernel sdpa itself picks: cuDNN or flash on CUDA,
-    flash on CPU) and hands the call's post-RoPE queries and that log-sum-exp to :func:`take_prefill_rows`, so the
-    prior needs neither a query projection nor an attention pass of its own, and the prefill runs the kernel a
+    flash on CPU) and hands the call's post-RoPE queries, that log-sum-exp and a copy of its last ``output_rows``
+    rows' outputs to :func:`take_prefill_rows`, so the prior needs neither a query projection nor an attention pass
+    of its own (nor the fit, for the window's queries: their exact outputs), and the prefill runs the kernel a
     no-press prefill runs (writing its log-sum-exp too: 12.6 against 11.4 ms a layer at 32k on an H200)."""
-    token = _PREFILL_ROWS.set({})
+    token = _PREFILL_ROWS.set(_PrefillSlot(output_rows))
     try:
         yield
     finally:
         _PREFILL_ROWS.reset(token)
 
 
-def take_prefill_rows(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Layer ``layer_idx``'s last prefill call's queries ``[b, h_q, n, d]`` and causal log-sum-exp ``[b, h_q, n]``
-    (float32, natural log), if it handed them over (once); else None."""
+def take_prefill_rows(layer_idx: int) -> PrefillRows | None:
+    """Layer ``layer_idx``'s last prefill call's :class:`PrefillRows`, if it handed them over (once); else None."""
     slot = _PREFILL_ROWS.get()
-    return None if slot is None else slot.pop(layer_idx, None)
+    return None if slot is None else slot.layers.pop(layer_idx, None)
 
 
 def _windowed(module: torch.nn.Module, kwargs: dict) -> bool:
@@ -140,9 +162,9 @@ def _resolved_scaling(query: torch.Tensor, scaling: float | None) -> float:
     return query.shape[-1] ** -0.5 if scaling is None else scaling
 
 
-def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling, kwargs, slot: dict):
+def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling, kwargs, slot: _PrefillSlot):
     """The causal attention of a prefill call with no cache before it (as many keys as queries, no padding mask, no
-    window), its row log-sum-exp handed over in ``slot``; ``[b, q, h_q, d]``, or None where the stock path runs."""
+    window), its rows handed over in ``slot``; ``[b, q, h_q, d]``, or None where the stock path runs."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     if attention_mask is not None or _windowed(module, kwargs) or q_len < 2 or k_len != q_len:
         return None
@@ -159,8 +181,9 @@ def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling,
     except (RuntimeError, TypeError) as error:  # a fused operator this torch build lacks or refuses
         logger.warning_once(f"kvcompress: the prefill's attention hands no log-sum-exp over ({error})")
         return None
-    slot.clear()  # the layer's hook takes its rows right after this call: never hold more than one layer's
-    slot[getattr(module, "layer_idx", None)] = (query, lse.float())
+    slot.layers.clear()  # the layer's hook takes its rows right after this call: never hold more than one layer's
+    tail = out[:, :, -slot.output_rows :].clone() if slot.output_rows else None  # a copy: not the whole output
+    slot.layers[getattr(module, "layer_idx", None)] = PrefillRows(query, lse.float(), tail)
     return out.transpose(1, 2).contiguous()
 
 

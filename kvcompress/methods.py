@@ -84,7 +84,10 @@ def compress_by_attention(
     position = torch.arange(n)  # on the CPU: the fit reads its protected rows without a device sync
     protected = (position < start) | (position >= end)
     queries, positions = reference.fit_queries()
-    result = fit_kept_rows(keys, values, kept, protected, queries, module.scaling, query_positions=positions, **fit)
+    result = fit_kept_rows(
+        keys, values, kept, protected, queries, module.scaling, query_positions=positions,
+        known_rows=reference.fit_outputs(), **fit,
+    )  # fmt: skip
     return kept_keys, result.values, result.weights
 
 

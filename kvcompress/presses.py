@@ -192,6 +192,10 @@ class CompressKVPress(WeightedSubsetPress):
             return novel_pieces(novelty, self.repeat_fraction, self.repeat_span, device)
         return spread_pieces(n, self.repeat_fraction, self.repeat_span, device)
 
+    def prefill_output_rows(self) -> int:
+        fitted = self.fit != "none" and self.selection == "attention" and "window" in self.reference
+        return self.observation_window if fitted else 0  # the window queries' exact outputs: the fit's targets
+
     def reads_values(self) -> bool:
         return self.novelty_value_norm and "novelty" in self.reference and self.selection != "rpnys"
 

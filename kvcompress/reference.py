@@ -58,6 +58,8 @@ class LayerReference:
     mass: source -> ``[b, h_kv, n]`` float32 attention mass over the n context keys (summed over queries).
     queries: ``[b, h_q, m_i, d]`` samples for the fit; positions: their ``[m_i]`` int64 positions
     (context length - 1 for queries after the context: they see every context key).
+    outputs: per part of the queries, their ``([b, h_q, m_i]`` float32 log-sum-exp, ``[b, h_q, m_i, d_v]`` exact
+    attention output) over the context where an attention that already ran gave them (else None).
     query_radius: ``[b, h_kv]`` max post-RoPE prefill query norm per KV head group (RPNys's R_Q), if asked.
     reduce: how a source's queries pool into a key's mass (``"sum"`` or ``"max"``, see
     :func:`kvcompress.selection.attention_mass`); later parts of a source (repeat chunks) are combined the same way.
@@ -66,20 +68,36 @@ class LayerReference:
     mass: dict[str, torch.Tensor] = field(default_factory=dict)
     queries: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
     query_radius: torch.Tensor | None = None
     reduce: str = "sum"
 
-    def add(self, source: str, mass: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor) -> None:
+    def add(
+        self,
+        source: str,
+        mass: torch.Tensor,
+        queries: torch.Tensor,
+        positions: torch.Tensor,
+        outputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         if source in self.mass:
             combine = torch.maximum if self.reduce == "max" else torch.add
             mass = combine(self.mass[source], mass)
         self.mass[source] = mass
         self.queries.append(queries)
         self.positions.append(positions)
+        self.outputs.append(outputs)
 
     def fit_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All fit queries ``[b, h_q, m, d]`` and their positions ``[m]``."""
         return torch.cat(self.queries, dim=2), torch.cat(self.positions)
+
+    def fit_outputs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fit queries' log-sum-exp ``[b, h_q, m]`` and exact outputs ``[b, h_q, m, d_v]`` where every part has
+        them (:func:`kvcompress.fitting.fit_kept_rows`'s ``known_rows``), else None."""
+        if not self.outputs or any(part is None for part in self.outputs):
+            return None
+        return torch.cat([lse for lse, _ in self.outputs], 2), torch.cat([out for _, out in self.outputs], 2)
 
 
 def record_prefill(
@@ -100,22 +118,29 @@ def record_prefill(
         reference.mass["novelty"] = key_novelty(keys, novelty_values)
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
     n = keys.shape[-2]
+    handed = take_prefill_rows(module.layer_idx) if "induction" in sources else None
+    if handed is not None and handed.queries.shape[-2] != n:  # a chunked prefill's last call: not the whole context
+        handed = None
     picks = {}
     if "window" in sources:
         picks["window"] = torch.arange(max(0, n - observation_window), n, device=keys.device)
     if "prefill" in sources:
         picks["prefill"] = even_sample(n, samples, keys.device)
     for source, index in picks.items():
-        queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
-        mass = attention_mass(queries, keys, module.scaling, query_positions=index, reduce=reduce)
-        reference.add(source, mass, queries, index)
-    handed = take_prefill_rows(module.layer_idx) if "induction" in sources else None
-    if handed is not None and handed[0].shape[-2] != n:  # a chunked prefill's last call: not the whole context
-        handed = None
+        lse = outputs = None
+        if handed is None:
+            queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
+        else:  # the prefill's attention already ran these rows: its queries and normalisers (and outputs) serve
+            queries, lse = handed.queries[:, :, index], handed.lse[:, :, index]
+            last, window = handed.last_outputs, min(n, observation_window)  # the window: the context's last rows
+            if source == "window" and last is not None and last.shape[2] >= window:
+                outputs = (lse, last[:, :, last.shape[2] - window :])
+        mass = attention_mass(queries, keys, module.scaling, query_positions=index, reduce=reduce, row_lse=lse)
+        reference.add(source, mass, queries, index, outputs)
     if {"context", "accumulated", "induction"} & set(sources):  # all n prefill queries
-        queries = post_rope_queries(module, hidden, (cos, sin)) if handed is None else handed[0]
+        queries = post_rope_queries(module, hidden, (cos, sin)) if handed is None else handed.queries
         if "induction" in sources:
-            lse = None if handed is None else handed[1]
+            lse = None if handed is None else handed.lse
             reference.mass["induction"] = induction_score(queries, keys, module.scaling, row_lse=lse)
         fit = even_sample(n, samples, keys.device)
         everything = torch.full((len(fit),), n - 1, dtype=torch.long, device=keys.device)

@@ -178,6 +178,11 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         """Reference-query sources this press reads (see :mod:`kvcompress.reference`); none by default."""
         return ()
 
+    def prefill_output_rows(self) -> int:
+        """How many of the context's last rows' attention outputs :meth:`record_reference` reads from the prefill's
+        own attention call, where that call hands its rows over (:func:`kvcompress.hf_attention.take_prefill_rows`)."""
+        return 0
+
     def reads_values(self) -> bool:
         """Whether :meth:`record_reference` reads the context's values (else it is handed None: a padded batch's
         rows then copy no values)."""
@@ -224,7 +229,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
                 hooks.append(decoder.register_forward_hook(self._finish_prefill, with_kwargs=True))
                 wants_rows = "induction" in self.reference_sources()
                 try:
-                    with handing_over_prefill_rows() if wants_rows else nullcontext():
+                    with handing_over_prefill_rows(self.prefill_output_rows()) if wants_rows else nullcontext():
                         yield
                 finally:
                     for hook in hooks:

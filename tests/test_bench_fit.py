@@ -42,10 +42,33 @@ def test_cases_follow_the_press_conventions() -> None:
     assert positions[-64:].tolist() == list(range(936, 1000))  # the window's queries, the rest spread before
 
 
+def test_known_rows_are_the_window_queries_attention(tmp_path: Path) -> None:
+    """``--known-rows`` hands the fit the case's queries' causal log-sum-exp and outputs: their float64 definition
+    within float32 rounding (1e-5 of the largest), and the rows say so."""
+    import torch
+
+    from tests.references import float64_fit_rows
+
+    case = bench.make_case(400, 0.25, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    lse, outputs = bench.known_rows(case)
+    queries = case["queries"].reshape(2, 2 * 8, 16)
+    _, want_lse, want_outputs = float64_fit_rows(
+        queries, case["keys"][0], case["values"][0], case["scaling"], case["query_positions"].repeat(2)
+    )
+    torch.testing.assert_close(lse.double(), want_lse.reshape(1, 4, 8), rtol=0, atol=1e-5)
+    scale = want_outputs.abs().max().item()
+    torch.testing.assert_close(outputs.double(), want_outputs.reshape(1, 4, 8, 16), rtol=0, atol=1e-5 * scale)
+    output = tmp_path / "fit.json"
+    tiny = [arg if arg != "70" else "64" for arg in TINY]
+    assert bench.main([*tiny, "--known-rows", "--output", str(output)]) == 0
+    assert [row["known_rows"] for row in json.loads(output.read_text())["rows"]] == [True, True]
+
+
 @pytest.mark.parametrize(
     "bad, flag",
     [(["--kept", "0"], "--kept"), (["--heads", "6", "4"], "--heads"), (["--contexts", "50"], "--contexts"),
-     (["--queries", "1"], "--queries"), (["--repeats", "0"], "--repeats"), (["--backends", "cuda"], "--backends")],
+     (["--queries", "1"], "--queries"), (["--repeats", "0"], "--repeats"), (["--backends", "cuda"], "--backends"),
+     (["--known-rows"], "--known-rows")],
 )  # fmt: skip
 def test_bad_arguments_exit_with_a_message(bad: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):

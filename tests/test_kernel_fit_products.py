@@ -203,7 +203,7 @@ def test_query_sets_in_one_pass_equal_each_set_alone(monkeypatch):
         together = original(kernels, query_sets, *rest)
         sums, parts = together  # copied: the fit adds the halves' sums in place
         calls.append((([s.clone() for s in sums], parts), [original(kernels, [one], *rest) for one in query_sets]))
-        mismatched = [(first[0][:, :3], first[1][:3]), (second[0][:, :5], second[1][:5])]
+        mismatched = [(first[0][:, :3], first[1][:3], None), (second[0][:, :5], second[1][:5], None)]
         with pytest.raises(ValueError, match="query_sets: every set but the last must have the first one's rows"):
             original(kernels, mismatched, *rest)
         return together
@@ -232,3 +232,42 @@ def test_fit_backend_errors_name_the_parameter():
         ValueError, match="backend='triton': bin_rows: must be at most 64 for the fused kernels, got 65"
     ):
         fitting.fit_kept_rows(keys, values, kept, protected, queries, scaling, bin_rows=80, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fit_from_known_rows_equals_the_fit_that_computes_them(backend, monkeypatch):
+    """Rows whose log-sum-exp and exact outputs an attention already gave (here their float64 definition, rounded to
+    float32) fit as the rows the fit computes itself: the same decisions, weights and values within the paths' own
+    rounding (1e-4 of the largest, as above), and the fused path launches no first kernel for them."""
+    keys, values, kept, protected, queries, scaling, positions, bin_rows = _fit_problem(torch.float32, 11, True, 16)
+    batch, heads_q, m, dim = queries.shape
+    heads_kv = keys.shape[1]
+    grouped = queries.reshape(heads_kv, heads_q // heads_kv * m, dim)
+    _, lse, exact = float64_fit_rows(grouped, keys[0], values[0], scaling, positions.repeat(heads_q // heads_kv))
+    known = (lse.float().reshape(batch, heads_q, m).to(DEVICE), exact.float().reshape(batch, heads_q, m, -1).to(DEVICE))
+    args = (keys, values, kept, protected, queries, scaling)
+    options = dict(query_positions=positions, bin_rows=bin_rows, ridge=0.01, backend=backend)
+    computed = fitting.fit_kept_rows(*args, **options)
+
+    def no_first_pass(*_, **__):
+        raise AssertionError("attention_rows ran for rows whose outputs were given")
+
+    seen = []
+    original = fitting.normal_equations
+
+    def spy(*call):
+        sums, parts = original(*call)
+        seen.append(parts[1])  # the validation's exact outputs, the even queries' rows then the odd ones'
+        return sums, parts
+
+    monkeypatch.setattr(kernel, "attention_rows", no_first_pass)
+    monkeypatch.setattr(fitting, "normal_equations", spy)
+    given = fitting.fit_kept_rows(*args, **options, known_rows=known)
+    rows = exact.float().to(DEVICE)
+    assert torch.equal(seen[0], torch.cat([rows[:, 0::2], rows[:, 1::2]], 1))  # each query's own output
+    assert computed.accepted.any() and torch.equal(given.accepted, computed.accepted)
+    for got, want in ((given.weights, computed.weights), (given.values, computed.values)):
+        scale = want.abs().amax()
+        torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match=r"known_rows: its exact outputs must be floating, of shape \[1, 6, 24, 32\]"):
+        fitting.fit_kept_rows(*args, **options, known_rows=(known[0], known[1][:, :, 1:]))

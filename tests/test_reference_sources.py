@@ -10,15 +10,16 @@ from transformers import DynamicCache
 
 from kvcompress import CompressKVPress, fit_equations, reference
 from kvcompress.reference import novel_pieces, post_rope_queries, spread_pieces
-from tests.references import float64_attention_mass
+from tests.references import float64_attention_mass, float64_fit_rows
 from tests.test_press_options import compressed_cache, tokens
 from tests.tiny_models import tiny_model
 
 CONTEXT = 320
 
 
-def float64_mass(queries, keys, scaling, query_positions=None, *, reduce="sum", key_mask=None):
-    """The definition of attention_mass in float64, returned as float32 like the library's (monkeypatched in)."""
+def float64_mass(queries, keys, scaling, query_positions=None, *, reduce="sum", key_mask=None, row_lse=None):
+    """The definition of attention_mass in float64, returned as float32 like the library's (monkeypatched in); a
+    handed-over ``row_lse`` is not used: the definition normalises each row itself."""
     return float64_attention_mass(queries, keys, scaling, query_positions, reduce=reduce, key_mask=key_mask).float()
 
 
@@ -317,6 +318,45 @@ def test_induction_prior_reads_the_prefill_attentions_own_rows(family, monkeypat
     assert [handed for handed, _ in calls] == [True, True]  # both layers, from the attention call
     assert max(difference for _, difference in calls) <= 1e-5
     torch.testing.assert_close(outputs["induction"], outputs["default"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_default_fit_takes_the_window_rows_from_the_prefill_call(family, monkeypatch):
+    """The default (its induction prior has the prefill's attention hand its rows over) gives the fit the window
+    queries' log-sum-exp and exact outputs from the prefill's own attention call, no pass of their own: they equal
+    the float64 definition over the layer's keys (float32 attention of another kernel: 1e-5 of the largest); a
+    press without the prior, or without a fit, asks for no outputs."""
+    from kvcompress import methods
+
+    calls = []
+    original = methods.fit_kept_rows
+
+    def spy(keys, values, kept, protected, queries, scaling, *, query_positions, known_rows, **options):
+        calls.append((keys, values, queries, scaling, query_positions, known_rows))
+        return original(keys, values, kept, protected, queries, scaling, query_positions=query_positions,
+                        known_rows=known_rows, **options)  # fmt: skip
+
+    monkeypatch.setattr(methods, "fit_kept_rows", spy)
+    model = tiny_model(family, num_hidden_layers=2)
+    press = CompressKVPress(compression_ratio=0.75)
+    compressed_cache(model, press, tokens(CONTEXT, 5))
+    assert press.prefill_output_rows() == press.observation_window and len(calls) == 2
+    for keys, values, queries, scaling, positions, known in calls:
+        (batch, heads_q, m, dim), heads_kv = queries.shape, keys.shape[1]
+        assert m == press.observation_window and torch.equal(positions, torch.arange(CONTEXT - m, CONTEXT))
+        group = heads_q // heads_kv
+        grouped = queries.reshape(batch * heads_kv, group * m, dim)
+        flat_keys, flat_values = keys.reshape(batch * heads_kv, CONTEXT, dim), values.flatten(0, 1)
+        _, lse, exact = float64_fit_rows(grouped, flat_keys, flat_values, scaling, positions.repeat(group))
+        torch.testing.assert_close(known[0].double(), lse.reshape(batch, heads_q, m), rtol=0, atol=1e-5)
+        scale = exact.abs().max().item()
+        torch.testing.assert_close(known[1].double(), exact.reshape(batch, heads_q, m, -1), rtol=0, atol=1e-5 * scale)
+        assert known[1].untyped_storage().nbytes() == known[1].numel() * known[1].element_size()  # not the whole output
+    calls.clear()
+    without_prior = CompressKVPress(compression_ratio=0.75, reference=("window", "novelty"))
+    compressed_cache(model, without_prior, tokens(CONTEXT, 5))
+    assert [known for *_, known in calls] == [None, None]
+    assert CompressKVPress(compression_ratio=0.75, fit="none").prefill_output_rows() == 0
 
 
 def test_balanced_reads_the_induction_prior_from_the_prefill_before_its_repeat_pass(monkeypatch):
