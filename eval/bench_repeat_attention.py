@@ -5,7 +5,7 @@ queries see every cached key and their own chunk causally. ``masked``: transform
 it builds for such a call (it then copies the keys and values once per query head); ``lower-right``: the
 kvcompress attention inside ``new_tokens_see_all_cached()`` (``kvcompress.hf_attention``; on CUDA the flash
 kernel with grouped-query heads where flash takes the call, the stock path otherwise; the row says which ran);
-``split``: the same inside ``handing_over_context_lse()`` as the repeat pass runs it (on CUDA two flash calls,
+``split``: the same inside ``handing_over_context_rows()`` as the repeat pass runs it (on CUDA two flash calls,
 over the context and over the chunk, merged by their log-sum-exps, the context one handed to the mass).
 Default shape: Qwen2.5-7B-Instruct's attention (28 query heads, 4 KV heads, head dim 128), bf16, batch 1,
 contexts 8k and 32k. Each row: median and min over ``--repeats`` calls after ``--warmup`` (device-synchronised
@@ -64,7 +64,7 @@ def lower_right(case: dict[str, Any]) -> torch.Tensor:
 
 
 def split(case: dict[str, Any]) -> torch.Tensor:
-    with hf_attention.handing_over_context_lse():
+    with hf_attention.handing_over_context_rows():
         return lower_right(case)
 
 

@@ -5,7 +5,7 @@ compressed cache layer (see :mod:`kvcompress.cache`) it runs weighted attention 
 else it hands the call to the stock sdpa function unchanged, so a never-compressed cache gives
 exactly the sdpa result. The one exception is inside :func:`new_tokens_see_all_cached`, where the
 repeat pass's chunks (new tokens after a full, unpadded cache) run a lower-right causal sdpa; on CUDA, while the
-pass records (:func:`handing_over_context_lse`), as two calls of sdpa's own fused kernel split at the context's
+pass records (:func:`handing_over_context_rows`), as two calls of sdpa's own fused kernel split at the context's
 end, whose context log-sum-exp the attention mass reuses.
 """
 
@@ -33,8 +33,9 @@ ATTENTION_NAME = "kvcompress"
 logger = hf_logging.get_logger(__name__)
 
 _NEW_TOKENS_SEE_ALL_CACHED: ContextVar[bool] = ContextVar("kvcompress_new_tokens_see_all_cached", default=False)
-# While a repeat pass records: [layer_idx, lse] of the last chunk attention split at the context's end (or []).
-_CONTEXT_LSE: ContextVar[list | None] = ContextVar("kvcompress_context_lse", default=None)
+# While a repeat pass records: [layer_idx, lse, output] over the context of the last chunk attention split at the
+# context's end (or []).
+_CONTEXT_ROWS: ContextVar[list | None] = ContextVar("kvcompress_context_rows", default=None)
 
 
 class PrefillRows(NamedTuple):
@@ -76,27 +77,28 @@ def new_tokens_see_all_cached() -> Iterator[None]:
 
 
 @contextmanager
-def handing_over_context_lse() -> Iterator[None]:
+def handing_over_context_rows() -> Iterator[None]:
     """Inside (a repeat pass that scores its chunks' queries): where the chunks' attention can return its row
     log-sum-exp (on CUDA), it runs as two attentions merged, over the context and over the chunk's own keys,
-    and hands the context part's log-sum-exp to :func:`take_context_lse`: the attention mass of those queries over
-    the context then needs no pass of its own for it (:func:`kvcompress.selection.attention_mass`, ``row_lse``)."""
-    token = _CONTEXT_LSE.set([])
+    and hands the context part's log-sum-exp and output to :func:`take_context_rows`: the attention mass of those
+    queries over the context then needs no pass of its own for the normaliser (:func:`kvcompress.selection.
+    attention_mass`, ``row_lse``), nor the fit for its repeat queries' exact outputs."""
+    token = _CONTEXT_ROWS.set([])
     try:
         yield
     finally:
-        _CONTEXT_LSE.reset(token)
+        _CONTEXT_ROWS.reset(token)
 
 
-def take_context_lse(layer_idx: int) -> torch.Tensor | None:
-    """The ``[b, h_q, q]`` float32 log-sum-exp over the context keys of layer ``layer_idx``'s last chunk attention,
-    if it handed one over (once); else None."""
-    slot = _CONTEXT_LSE.get()
+def take_context_rows(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``[b, h_q, q]`` float32 log-sum-exp and the ``[b, h_q, q, d]`` output (query dtype) over the context keys
+    of layer ``layer_idx``'s last chunk attention, if it handed them over (once); else None."""
+    slot = _CONTEXT_ROWS.get()
     if not slot or slot[0] != layer_idx:
         return None
-    lse = slot[1]
+    rows = slot[1], slot[2]
     slot.clear()
-    return lse
+    return rows
 
 
 def _fused_attention_with_lse(query, key, value, causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,18 +119,19 @@ def _fused_attention_with_lse(query, key, value, causal: bool, scaling: float) -
     return out[0], out[1]
 
 
-def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.Tensor, torch.Tensor]:
+def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lower-right causal attention of ``q`` new queries over ``k_len`` keys (the last ``q`` their own) as two
     attentions merged by their log-sum-exps, FlashDecoding's split: over the ``k_len - q`` context keys (all
     visible) and over the queries' own keys (causal). ``attend(q, k, v, causal, scaling) -> (out, lse)``. Returns
-    the output ``[b, h_q, q, d]`` (query dtype) and the context part's ``[b, h_q, q]`` float32 log-sum-exp."""
+    the output ``[b, h_q, q, d]`` (query dtype), and the context part's ``[b, h_q, q]`` float32 log-sum-exp and
+    ``[b, h_q, q, d]`` output (``attend``'s dtype)."""
     context = key.shape[-2] - query.shape[-2]
     out_context, lse_context = attend(query, key[:, :, :context], value[:, :, :context], False, scaling)
     out_own, lse_own = attend(query, key[:, :, context:], value[:, :, context:], True, scaling)
     wide = torch.promote_types(query.dtype, torch.float32)  # the merge in float32 at least
     lse = torch.stack((lse_context, lse_own)).to(wide)
     out = merge_partial_attentions(lse, torch.stack((out_context, out_own)).to(wide))[1]
-    return out.to(query.dtype), lse_context.float()
+    return out.to(query.dtype), lse_context.float(), out_context
 
 
 @contextmanager
@@ -213,14 +216,15 @@ def _lower_right_causal_sdpa(
         params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, False, grouped)
         if not torch.backends.cuda.can_use_flash_attention(params):
             return None
-    slot = _CONTEXT_LSE.get()
+    slot = _CONTEXT_ROWS.get()
     if slot is not None and _split_wanted(query):
         try:
-            out, lse = split_at_context(query, key, value, _resolved_scaling(query, scaling), _fused_attention_with_lse)
+            attend, resolved = _fused_attention_with_lse, _resolved_scaling(query, scaling)
+            out, lse, out_context = split_at_context(query, key, value, resolved, attend)
         except (RuntimeError, TypeError) as error:  # a fused operator this torch build lacks or refuses
             logger.warning_once(f"kvcompress: the repeat chunks' attention hands no log-sum-exp over ({error})")
         else:
-            slot[:] = [getattr(module, "layer_idx", None), lse]
+            slot[:] = [getattr(module, "layer_idx", None), lse, out_context]
             return out.transpose(1, 2).contiguous()
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scaling, enable_gqa=grouped

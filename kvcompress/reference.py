@@ -30,7 +30,7 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvcompress.hf_attention import new_tokens_see_all_cached, take_context_lse, take_prefill_rows
+from kvcompress.hf_attention import new_tokens_see_all_cached, take_context_rows, take_prefill_rows
 from kvcompress.selection import attention_mass, induction_score, key_novelty
 
 SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty", "induction")
@@ -169,17 +169,18 @@ def record_repeat(
 
     ``keys``: the layer's context keys ``[b, h_kv, n, d]`` (without the chunk's own rows). ``samples`` of the
     ``total`` repeat queries are kept for the fit, spread evenly over the chunks in proportion to their size. The
-    softmax is over the context keys; where the chunk's attention handed over its log-sum-exp over them
-    (:func:`kvcompress.hf_attention.handing_over_context_lse`) the mass reuses it.
+    softmax is over the context keys; where the chunk's attention handed over its log-sum-exp and output over them
+    (:func:`kvcompress.hf_attention.handing_over_context_rows`) the mass reuses the one and the fit both.
     """
     hidden = kwargs["hidden_states"]
     queries = post_rope_queries(module, hidden, kwargs["position_embeddings"])
-    lse = take_context_lse(module.layer_idx)
-    lse = lse if lse is not None and lse.shape == queries.shape[:3] else None
+    handed = take_context_rows(module.layer_idx)
+    lse, outputs = handed if handed is not None and handed[0].shape == queries.shape[:3] else (None, None)
     mass = attention_mass(queries, keys, module.scaling, reduce=reference.reduce, row_lse=lse)
     keep = even_sample(hidden.shape[1], max(1, round(samples * hidden.shape[1] / total)), keys.device)
     positions = torch.full((len(keep),), keys.shape[-2] - 1, dtype=torch.long, device=keys.device)
-    reference.add("repeat", mass, queries[:, :, keep], positions)
+    known = None if lse is None else (lse[:, :, keep], outputs[:, :, keep])
+    reference.add("repeat", mass, queries[:, :, keep], positions, known)
 
 
 def snapshot_layers(cache) -> list[dict]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcompress.hf_attention import handing_over_context_lse
+from kvcompress.hf_attention import handing_over_context_rows
 from kvcompress.offload import ParkedLayers
 from kvcompress.padding import row_view_cache
 from kvcompress.reference import (
@@ -123,7 +123,7 @@ class RepeatPassHooks:
         }
         self._repeating, self._snapshot = True, snapshot_layers(cache)
         try:
-            with handing_over_context_lse():
+            with handing_over_context_rows():
                 yield
         finally:
             self._pending, self._repeating, self._snapshot = saved, False, []

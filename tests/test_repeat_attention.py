@@ -154,7 +154,7 @@ def math_attend(query, key, value, causal, scaling):
 
 def _check_split(query, key, value, attend, atol_out: float, atol_lse: float) -> None:
     q_len, k_len = query.shape[-2], key.shape[-2]
-    out, lse = hf_attention.split_at_context(query, key, value, 0.125, attend)
+    out, lse, out_context = hf_attention.split_at_context(query, key, value, 0.125, attend)
     expected = float64_attention(query, key, value, 0.125, lower_right(q_len, k_len, query.device)).transpose(1, 2)
     assert out.dtype == query.dtype and lse.dtype == torch.float32
     assert (out.double().cpu() - expected.cpu()).abs().max().item() <= atol_out
@@ -162,6 +162,10 @@ def _check_split(query, key, value, attend, atol_out: float, atol_lse: float) ->
     context = key[:, :, : k_len - q_len].double().repeat_interleave(groups, 1)
     expected_lse = ((query.double() @ context.transpose(-1, -2)) * 0.125).logsumexp(-1)
     assert (lse.double().cpu() - expected_lse.cpu()).abs().max().item() <= atol_lse
+    every = torch.ones(q_len, k_len - q_len, dtype=torch.bool, device=query.device)  # the context part: all visible
+    context_part = key[:, :, : k_len - q_len], value[:, :, : k_len - q_len]
+    expected_context = float64_attention(query, *context_part, 0.125, every).transpose(1, 2)
+    assert (out_context.double().cpu() - expected_context.cpu()).abs().max().item() <= atol_out
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (7, 1)])
@@ -220,24 +224,35 @@ def test_fused_attention_hands_the_float64_lse_over_on_cuda(dtype, causal):
     ids=["thorough", "balanced"],
 )
 def test_handed_over_lse_keeps_the_cache(press, monkeypatch):
-    """The chunk attention split at the context and its log-sum-exp handed to the mass (CUDA's path, forced on the
-    CPU with the definition standing in for flash; a float64 model): every repeat chunk of every layer hands one
-    over, and the cache is the one without (same rows, values and weights within float64 rounding)."""
+    """The chunk attention split at the context and its log-sum-exp and output handed to the mass and the fit
+    (CUDA's path, forced on the CPU with the definition standing in for flash; a float64 model): every repeat chunk
+    of every layer hands them over, and the cache is the one without (same rows, values and weights within float64
+    rounding). ``balanced()``'s window rows come from its prefill (its induction prior's hand-over), so its fit then
+    computes none of its rows; ``thorough()`` has no prefill hand-over, so its fit computes them all."""
+    from kvcompress import methods
+
     model, context = tiny_model("qwen2", dtype=torch.float64), tokens(320, 5)
     plain = compressed_cache(model, press, context)
     monkeypatch.setattr(hf_attention, "_split_wanted", lambda query: True)
     monkeypatch.setattr(hf_attention, "_fused_attention_with_lse", math_attend)
-    handed, original = [], reference.attention_mass
+    handed, known, original, fit = [], [], reference.attention_mass, methods.fit_kept_rows
 
     def spy(*args, **kwargs):
-        handed.append(kwargs.get("row_lse") is not None)
+        if kwargs.get("query_positions") is None:  # a repeat chunk's (the window's has positions)
+            handed.append(kwargs.get("row_lse") is not None)
         return original(*args, **kwargs)
 
+    def fit_spy(*args, known_rows=None, **kwargs):
+        known.append(known_rows is not None)
+        return fit(*args, known_rows=known_rows, **kwargs)
+
     monkeypatch.setattr(reference, "attention_mass", spy)
+    monkeypatch.setattr(methods, "fit_kept_rows", fit_spy)
     split = compressed_cache(model, press, context)
     pieces = reference.spread_pieces(320, press.repeat_fraction, press.repeat_span)  # as many as the novel ones
     chunks = -(-(320 if pieces is None else len(pieces)) // press.repeat_chunk)
-    assert sum(handed) == chunks * len(model.model.layers)
+    assert sum(handed) == len(handed) == chunks * len(model.model.layers)
+    assert known == ["induction" in press.reference] * len(model.model.layers)
     for expected, layer in zip(plain.layers, split.layers, strict=True):
         assert torch.equal(layer.keys, expected.keys)
         torch.testing.assert_close(layer.values, expected.values, rtol=1e-9, atol=1e-12)
