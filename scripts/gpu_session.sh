@@ -8,7 +8,8 @@
 #
 # STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below but lse_prefill, in that
 # order; the seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers; the
-# eighteenth changed the fit and its second kernel (block_sums), so the compiled kernel tests come first);
+# eighteenth changed the fit and its second kernel (block_sums), so the compiled kernel tests come first; the
+# nineteenth gave the default's fit its window rows from the prefill: prefill_32768 and bench_fit_known show it);
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
@@ -20,6 +21,8 @@
 #   prefill_65536   the same at 64k (the default, balanced(): peak and cost where the quadratic parts grow)
 #   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal),
 #                   and its two kernels alone with other tiles (`--kernel-tiles`: TFLOP/s, agreement)
+#   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
+#                   prefill (`--known-rows`: one kernel, not two), with its top CUDA operators
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (DECODE_LAYERS of the
 #                   model's 28 layers, default 4: inductor compiles three graphs per batch size)
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
@@ -39,7 +42,7 @@ DECODE_LAYERS=${DECODE_LAYERS:-4}
 SETTINGS_32K=${SETTINGS_32K:-none snapkv default balanced balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
-STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit prefill_65536 decode_32768_b1 decode_32768_b8 \
+STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit bench_fit_known prefill_65536 decode_32768_b1 decode_32768_b8 \
 decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
@@ -98,6 +101,10 @@ step bench_fit 150 $PY -m eval.bench_fit --contexts 32768 --queries 320 64 --bac
     --kernel-tiles --output "$OUT/bench_fit.json"
 head -5 "$OUT/bench_fit.log" 2>/dev/null
 grep -A14 "TFLOP/s" "$OUT/bench_fit.log" 2>/dev/null
+
+step bench_fit_known 60 $PY -m eval.bench_fit --contexts 32768 --queries 64 --backends triton --known-rows --profile \
+    --output "$OUT/bench_fit_known.json"
+head -3 "$OUT/bench_fit_known.log" 2>/dev/null
 
 # shellcheck disable=SC2086
 step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
