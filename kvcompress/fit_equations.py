@@ -65,19 +65,22 @@ def _torch_block_products(prob: torch.Tensor, a: torch.Tensor, bins: int, k: int
     first bins, the kept rows' probabilities ``a [P, M, T * k]`` gathered per block (one matmul over the queries
     each)."""
     problems, m, n = prob.shape
-    a_rows = a.transpose(1, 2)  # [P, T * k, M]
+    a_rows = a.transpose(1, 2).reshape(problems * bins * k, m)  # every problem's kept rows, one row each: [P T k, M]
     columns = torch.arange(width, device=prob.device)
+    first_row = torch.arange(problems, device=prob.device)[:, None, None] * (bins * k)
 
     def products(first: int, last: int, lows: torch.Tensor) -> torch.Tensor:
         chunk = last - first
-        index = (lows[..., None] * k + columns).clamp_max(bins * k - 1).reshape(problems, -1)
-        near = a_rows.gather(1, index[..., None].expand(-1, -1, m)).reshape(problems, chunk, width, m)
+        index = (lows[..., None] * k + columns).clamp_max(bins * k - 1) + first_row  # [P, c, width]
+        # Whole rows by index_select (a row copy each; a gather over an expanded index was a scalar loop on CPU).
+        near = a_rows.index_select(0, index.flatten()).reshape(problems, chunk, width, m)
         chunk_prob = prob[:, :, first * k : last * k]
         tail = last * k - min(n, last * k)  # zero positions after the last one (last chunk only)
         if tail:
             chunk_prob = torch.nn.functional.pad(chunk_prob, (0, tail))
-        block_prob = chunk_prob.reshape(problems, m, chunk, k).permute(0, 2, 3, 1)  # [P, c, k, M]
-        return block_prob @ near.transpose(-1, -2)  # [P, c, k(positions), width]
+        # Per problem, [c, M, k] is a strided view bmm reads as it is (a [P, c, ...] batch would be copied first).
+        block_prob = chunk_prob.reshape(problems, m, chunk, k).transpose(1, 2)
+        return torch.stack([torch.bmm(near[p], block_prob[p]) for p in range(problems)]).transpose(-1, -2)
 
     return products
 
@@ -106,22 +109,20 @@ def _right_hand_sides(
     """
     lows, touched = layout.lows, layout.touched
     problems, count = lows.shape
-    mass = torch.zeros(problems, sets, bins, k, dtype=torch.float32, device=lows.device)
-    value_rhs = torch.zeros(problems, sets, bins, k, d, dtype=torch.float32, device=lows.device)
+    # One row per (problem, set, bin), summed into by index_add_ (row adds; scatter_add_ was a scalar loop on CPU).
+    mass = torch.zeros(problems * sets * bins, k, dtype=torch.float32, device=lows.device)
+    value_rhs = torch.zeros(problems * sets * bins, k * d, dtype=torch.float32, device=lows.device)
     columns = torch.arange(touched, device=lows.device)
+    first_bin = torch.arange(problems * sets, device=lows.device).reshape(problems, sets, 1) * bins
     for first in range(0, count, step):
         last = min(count, first + step)
-        chunk = last - first
         low = lows[:, first:last]  # [P, c]
         block_mass, block_values = partials(first, last, low)
-        target = (low[..., None] + columns).clamp_max(bins - 1).reshape(problems, 1, chunk * touched)
-        mass.scatter_add_(2, target[..., None].expand(-1, sets, -1, k), block_mass.reshape(problems, sets, -1, k))
-        value_rhs.scatter_add_(
-            2,
-            target[..., None, None].expand(-1, sets, -1, k, d),
-            block_values.reshape(problems, sets, chunk * touched, k, d),
-        )
-    return mass.double().movedim(1, 0), value_rhs.double().movedim(1, 0)
+        target = ((low[..., None] + columns).clamp_max(bins - 1).reshape(problems, 1, -1) + first_bin).flatten()
+        mass.index_add_(0, target, block_mass.reshape(-1, k))
+        value_rhs.index_add_(0, target, block_values.reshape(-1, k * d))
+    shape = (problems, sets, bins, k)
+    return mass.reshape(shape).double().movedim(1, 0), value_rhs.reshape(*shape, d).double().movedim(1, 0)
 
 
 def _owned_partials(layout: _Layout, values: torch.Tensor, k: int, products):
