@@ -24,7 +24,8 @@
 #   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
 #                   prefill (`--known-rows`: one kernel, not two), with its top CUDA operators
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (DECODE_LAYERS of the
-#                   model's 28 layers, default 4: inductor compiles three graphs per batch size)
+#                   model's 28 layers, default 4: inductor compiles three graphs per batch size; DECODE_CONTEXTS
+#                   and DECODE_BATCHES, default "32768" and "1 8", set which decode_CONTEXT_bBATCH steps run)
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
 #                   37-40 ms (4 layers, the seventeenth session) are cuDNN building a plan per new key length
 #   speed_kernels   copy bandwidth, compress_kv's and the weighted decode's rooflines (`--only kernels`)
@@ -33,17 +34,23 @@
 #   tiles           the weighted attention's tiles against the spill-free ones
 #   syncs           the host-device syncs of one prefill per setting
 #   lse_chunk, attention_tests   the repeat chunk's split attention: the operators' probe and its tests compiled
+#   repeat_attention  one repeat chunk's attention masked, lower-right and split (`eval.bench_repeat_attention`)
+# (This script replaced scripts/gpu_decode.sh and scripts/gpu_prefill_cost.sh, which earlier sections of
+# docs/BENCHMARKS.md name: their runs are the steps above.)
 # Logs and JSON go to $OUT, packed into $OUT.tgz after every step (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/speed/gpu_session}
 DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
+DECODE_CONTEXTS=${DECODE_CONTEXTS:-32768}
+DECODE_BATCHES=${DECODE_BATCHES:-1 8}
 SETTINGS_32K=${SETTINGS_32K:-none snapkv default balanced balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
-STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit bench_fit_known prefill_65536 decode_32768_b1 decode_32768_b8 \
-decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests}
+decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
+STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit bench_fit_known prefill_65536 $decode_steps \
+decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -111,10 +118,12 @@ step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 6553
     --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
 grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
 
-for batch in 1 8; do
-    step "decode_32768_b$batch" 110 $PY -m eval.speed --only decode --decode-contexts 32768 \
-        --decode-batch-sizes "$batch" --model-layers "$DECODE_LAYERS" --output "$OUT/decode_32768_b$batch.json"
-    grep -A30 "greedy decode step" "$OUT/decode_32768_b$batch.log" 2>/dev/null
+for context in $DECODE_CONTEXTS; do
+    for batch in $DECODE_BATCHES; do
+        step "decode_${context}_b$batch" 110 $PY -m eval.speed --only decode --decode-contexts "$context" \
+            --decode-batch-sizes "$batch" --model-layers "$DECODE_LAYERS" --output "$OUT/decode_${context}_b$batch.json"
+        grep -A30 "greedy decode step" "$OUT/decode_${context}_b$batch.log" 2>/dev/null
+    done
 done
 step decode_nocudnn 110 $PY -m eval.speed --only decode --decode-contexts 32768 --decode-batch-sizes 1 \
     --model-layers "$DECODE_LAYERS" --no-cudnn-sdpa --output "$OUT/decode_nocudnn.json"
@@ -141,6 +150,8 @@ grep -v "^ " "$OUT/syncs.log" 2>/dev/null | tail -12
 
 step lse_chunk 40 $PY -m eval.probe_flash_lse --output "$OUT/lse_chunk.json"
 cat "$OUT/lse_chunk.log" 2>/dev/null
+step repeat_attention 60 $PY -m eval.bench_repeat_attention --output "$OUT/repeat_attention.json"
+cat "$OUT/repeat_attention.log" 2>/dev/null
 step attention_tests 60 $PY -m pytest -q -p no:cacheprovider tests/test_repeat_attention.py
 tail -3 "$OUT/attention_tests.log" 2>/dev/null
 echo "done in $SECONDS s"
