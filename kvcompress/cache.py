@@ -147,13 +147,15 @@ class WeightedLayer(DynamicLayer):
         low, high, covered = self._range
         if rows < covered:
             low, high, covered = self.value_min, self.value_max, self.context_rows
-        if rows > covered:
-            new = values[:, :, covered:rows].to(self.value_min.dtype)
-            new_low, new_high = new, new
-            if key_mask is not None:  # padded later rows do not widen the range
-                real = key_mask[:, None, covered:rows, None]
-                new_low, new_high = new.masked_fill(~real, float("inf")), new.masked_fill(~real, float("-inf"))
-            low, high = torch.minimum(low, new_low.amin(-2)), torch.maximum(high, new_high.amax(-2))
+        if rows > covered:  # three launches a decode step (aminmax in the values' dtype; min / max promote)
+            new = values[:, :, covered:rows]
+            if key_mask is None:
+                new_low, new_high = torch.aminmax(new, dim=-2)
+            else:  # padded later rows do not widen the range
+                hidden = ~key_mask[:, None, covered:rows, None]
+                new_low = new.masked_fill(hidden, float("inf")).amin(-2)
+                new_high = new.masked_fill(hidden, float("-inf")).amax(-2)
+            low, high = torch.minimum(low, new_low).to(low.dtype), torch.maximum(high, new_high).to(high.dtype)
             covered = rows
         self._range = (low, high, covered)
         return low, high

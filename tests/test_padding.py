@@ -193,3 +193,36 @@ def test_embedded_model_left_padded_generate_matches_each_row_alone(embedded_dir
     tokens, _ = answer(model, cache, ids, mask, question.expand(3, -1))
     for b, row_tokens in enumerate(alone):
         assert torch.equal(tokens[b : b + 1], row_tokens), [tokenizer.decode(t) for t in (tokens[b], row_tokens[0])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_value_range_folds_in_real_appended_rows_only(dtype):
+    """The clip range kept across steps: the context's range, widened by each appended row as it arrives unless the
+    call's key mask hides it (a padded later token), float32 whatever the values' dtype, and started again from the
+    context when the rows are cut back; against its float64 definition (min and max are exact)."""
+    gen = torch.Generator().manual_seed(3)
+    context, d = 6, 5
+    values = torch.randn(2, 3, context, d, generator=gen).to(dtype)
+    low, high = values.amin(2).float(), values.amax(2).float()
+    keys = torch.randn(2, 3, context, d, generator=gen).to(dtype)
+    layer = WeightedLayer(keys, values, torch.rand(2, 3, context, generator=gen), low, high, tokens=4 * context)
+    grown = torch.cat([values, 3 * torch.randn(2, 3, 4, d, generator=gen).to(dtype)], 2)
+    mask = torch.ones(2, context + 2, dtype=torch.bool)
+    mask[1, context + 1] = False  # row 1's second appended token is padding
+
+    def widened(rows: slice, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        tail = grown[:, :, rows].double()
+        hidden = torch.zeros_like(tail, dtype=torch.bool) if hidden is None else hidden.expand_as(tail)
+        return tail.masked_fill(hidden, float("inf")).amin(2), tail.masked_fill(hidden, float("-inf")).amax(2)
+
+    def assert_range(got, parts) -> None:
+        want_low = torch.stack([low.double(), *[part[0] for part in parts]]).amin(0).float()
+        want_high = torch.stack([high.double(), *[part[1] for part in parts]]).amax(0).float()
+        assert got[0].dtype == got[1].dtype == torch.float32
+        torch.testing.assert_close(got[0], want_low, rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want_high, rtol=0, atol=0)
+
+    first = widened(slice(context, context + 2), ~mask[:, None, context:, None])
+    assert_range(layer.value_range(grown[:, :, : context + 2], mask), [first])  # two rows, one of them padding
+    assert_range(layer.value_range(grown, None), [first, widened(slice(context + 2, None))])  # two more, no mask
+    assert_range(layer.value_range(grown[:, :, : context + 1], None), [widened(slice(context, context + 1))])  # cut
