@@ -300,14 +300,20 @@ def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, ke
     row_keys = keys.gather(1, rows[..., None].expand(-1, -1, dim))
     prob = _probabilities_at(queries, row_keys, rows, lse, scaling, positions)
     kept_prob, guarded = prob[..., : padded.shape[1]], prob[..., padded.shape[1] :]  # [P, M, T * k], [P, M, p]
-    # Every block's partials at once: [P, sets, blocks, width] and [P, sets, blocks, width, d_v].
-    partials = kernels.block_sums(
-        queries, keys, values, scaling, positions, lse, kept_prob, layout.lows, layout.owners.flatten(1), k, span,
-        width, set_rows=counts[0],
-    )  # fmt: skip
-    mass, value_rhs = _right_hand_sides(
-        layout, kept.count, k, len(counts), values.shape[-1], lambda *_: partials, layout.lows.shape[1]
-    )
+    # The blocks' partials ([P, sets, c, width] and [P, sets, c, width, d_v]) a launch per run of blocks, the runs'
+    # partials at most 256 MiB of float32 (one launch up to about 48k tokens at Qwen2.5-7B's head shape).
+    n, d_v = keys.shape[1], values.shape[-1]
+    step = max(1, 2 * _CHUNK_ELEMENTS // (kept_prob.shape[0] * len(counts) * width * (d_v + 1)))
+
+    def partials(first: int, last: int, lows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, stop = first * span, min(n, last * span)  # the run's keys; its rows' positions shifted with them
+        shifted = positions if positions is None or start == 0 else positions - start
+        return kernels.block_sums(
+            queries, keys[:, start:stop], values[:, start:stop], scaling, shifted, lse, kept_prob, lows,
+            layout.owners[:, first:last].flatten(1), k, span, width, set_rows=counts[0],
+        )  # fmt: skip
+
+    mass, value_rhs = _right_hand_sides(layout, kept.count, k, len(counts), d_v, partials, step)
     parts = _check_parts(kept_prob[..., : kept.r], exact, guarded, flat_values.index_select(1, protected_rows))
     grams = [_gram(half, kept.count, k) for half in kept_prob.split(counts, 1)]
     return [torch.stack(grams), mass, value_rhs], parts
