@@ -301,7 +301,7 @@ def _fused_equations(kernels, query_sets, keys, values, flat_values, scaling, ke
     prob = _probabilities_at(queries, row_keys, rows, lse, scaling, positions)
     kept_prob, guarded = prob[..., : padded.shape[1]], prob[..., padded.shape[1] :]  # [P, M, T * k], [P, M, p]
     # The blocks' partials ([P, sets, c, width] and [P, sets, c, width, d_v]) a launch per run of blocks, the runs'
-    # partials at most 256 MiB of float32 (one launch up to about 48k tokens at Qwen2.5-7B's head shape).
+    # partials at most 256 MiB of float32 (one launch up to about 50k tokens at Qwen2.5-7B's head shape).
     n, d_v = keys.shape[1], values.shape[-1]
     step = max(1, 2 * _CHUNK_ELEMENTS // (kept_prob.shape[0] * len(counts) * width * (d_v + 1)))
 
