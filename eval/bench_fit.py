@@ -140,17 +140,23 @@ def kernel_tiles(case: dict[str, Any], device: torch.device, warmup: int, repeat
 
     calls = capture_kernel_calls(case)
     rows_args, rows_kwargs = calls["attention_rows"]
-    queries, keys, values, _, positions = rows_args
-    sums_args, sums_kwargs = calls["block_sums"]
-    problems, n = keys.shape[:2]
-    seen = n * queries.shape[1] if positions is None else int((positions.clamp_max(n - 1) + 1).sum())
+    sums_args, sums_kwargs = calls["block_sums"]  # the fit's last launch of it (one up to about 50k tokens)
+
+    def seen(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None) -> int:
+        """Query-key pairs a launch's rows see: each row the keys up to its position (shifted with the launch's keys;
+        negative: none)."""
+        n = keys.shape[1]
+        return n * queries.shape[1] if positions is None else int((positions.clamp(-1, n - 1) + 1).sum())
+
+    problems, dim, d_v = rows_args[1].shape[0], rows_args[1].shape[-1], rows_args[2].shape[-1]
     span, width = sums_args[10:12]
-    sets = -(-queries.shape[1] // (sums_kwargs.get("set_rows") or queries.shape[1]))
-    values_products = 2 * problems * sets * -(-n // span) * span * width * values.shape[-1]
+    sets = -(-sums_args[0].shape[1] // (sums_kwargs.get("set_rows") or sums_args[0].shape[1]))
+    values_products = 2 * problems * sets * -(-sums_args[1].shape[1] // span) * span * width * d_v
+    rows_pairs, sums_pairs = seen(*rows_args[:2], rows_args[4]), seen(*sums_args[:2], sums_args[4])
     kernels = [
-        ("attention_rows", rows_args, rows_kwargs, 2 * problems * seen * (keys.shape[-1] + values.shape[-1]),
+        ("attention_rows", rows_args, rows_kwargs, 2 * problems * rows_pairs * (dim + d_v),
          [dict()] + [dict(block_m=m, block_n=b, num_warps=w, num_stages=st) for m, b, w, st in ROWS_TILES]),
-        ("block_sums", sums_args, sums_kwargs, 2 * problems * seen * (keys.shape[-1] + width) + values_products,
+        ("block_sums", sums_args, sums_kwargs, 2 * problems * sums_pairs * (dim + width) + values_products,
          [dict()] + [dict(block_m=m, num_warps=w, num_stages=st) for m, w, st in PRODUCTS_TILES]),
     ]  # fmt: skip
     rows = []
