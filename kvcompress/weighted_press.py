@@ -46,6 +46,7 @@ from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
+from kvcompress.compression_stream import CompressionStream
 from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
 from kvcompress.reference import LayerReference
@@ -107,12 +108,16 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     A context that needs no removal, or whose budget is 0, is left untouched. Subclasses implement
     :meth:`compress_middle`, and :meth:`record_reference` / :meth:`reference_sources` when they need
     reference queries (the repeat pass's hooks: :class:`kvcompress.repeat_hooks.RepeatPassHooks`).
+    ``overlap_compression`` (CUDA, presses without a repeat pass): each layer's selection and fit run on a second
+    stream beside the next layer's prefill (:mod:`kvcompress.compression_stream`); the same cache, one more full
+    layer held while it runs. Off by default until measured on a GPU.
     """
 
     compression_ratio: float = 0.0
     sink_size: int = 32
     window_size: int = 32
     seed: int | None = None
+    overlap_compression: bool = False
     _pending: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _repeating: bool = field(default=False, init=False, repr=False, compare=False)
     _entered: bool = field(default=False, init=False, repr=False, compare=False)
@@ -125,6 +130,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     _parked: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: not parked
     _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
     _positions: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _prefilling's
+    _side: CompressionStream = field(default_factory=CompressionStream, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_number("compression_ratio", self.compression_ratio, 0, 1)
@@ -134,6 +140,8 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         check_int_range("window_size", self.window_size, 0)
         if self.seed is not None:
             check_int_range("seed", self.seed, -(2**63))
+        if not isinstance(self.overlap_compression, bool):
+            raise ValueError(f"overlap_compression: must be True or False, got {self.overlap_compression!r}")
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         # Called by another press (a wrapper: ComposedPress, PrefillDecodingPress, ...) outside our own `with`:
@@ -235,6 +243,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
                     for hook in hooks:
                         hook.remove()
         finally:
+            self._side.join()
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
             self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
             self._finite, self._positions = [], (None, None, False)
@@ -252,6 +261,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window
         (:mod:`kvcompress.window`), and a :class:`kvcompress.static_cache.StaticWeightedCache` made static."""
+        self._side.join()  # the compressed layers are read from here on
         if self._repeating or not self._prefilled:
             return
         self._prefilled = False
@@ -323,6 +333,9 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         state = dict(module=module, references=references, plans=plans, rows=rows, tokens=n)
         if "repeat" in self.reference_sources():
             self._pending[module.layer_idx] = state
+        elif self.overlap_compression:  # the full layer and its references held until the main stream waits
+            with self._side.run(layer.keys.device, hold=(state, layer)):
+                self._compress_layer(cache, state)
         else:
             self._compress_layer(cache, state)
         return output

@@ -9,7 +9,8 @@
 # STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below but lse_prefill, in that
 # order; the seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers; the
 # eighteenth changed the fit and its second kernel (block_sums), so the compiled kernel tests come first; the
-# nineteenth gave the default's fit its window rows from the prefill: prefill_32768 and bench_fit_known show it);
+# nineteenth gave the default's fit its window rows from the prefill: prefill_32768 and bench_fit_known show it;
+# the twentieth added default_overlap, the default's selection and fit on a side stream, and its CUDA tests);
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
@@ -45,8 +46,8 @@ DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
 DECODE_CONTEXTS=${DECODE_CONTEXTS:-32768}
 DECODE_BATCHES=${DECODE_BATCHES:-1 8}
-SETTINGS_32K=${SETTINGS_32K:-none snapkv default balanced balanced_eighth thorough kvzip window_sum}
-SETTINGS_64K=${SETTINGS_64K:-none snapkv default balanced}
+SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_overlap balanced balanced_eighth thorough kvzip window_sum}
+SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
 STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit bench_fit_known prefill_65536 $decode_steps \
@@ -92,7 +93,7 @@ cat "$OUT/environment.txt"
 step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
     tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
     tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
-    tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
+    tests/test_compression_stream.py tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
 grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" 2>/dev/null | tail -15
 
 step lse_prefill 40 $PY -m eval.probe_flash_lse --context 0 --chunk 32768 --output "$OUT/lse_prefill.json"

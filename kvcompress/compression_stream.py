@@ -1,0 +1,69 @@
+"""Each layer's compression on a second CUDA stream, beside the next layers' prefill.
+
+A press compresses layer l right after its prefill attention call; nothing later in the prefill reads layer l, so
+its selection and fit (a few ms of small kernels a layer at 32k tokens, mostly latency, not throughput) can run on
+a side stream while layer l + 1's forward (tens of ms of large GEMMs and attention) runs on the main one. The side
+stream starts after everything the main stream has queued (layer l's keys, values and references exist); the main
+stream waits for it before it may read the result: at the next layer's compression (bounding the work in flight to
+one layer) and when the prefill forward returns (before any decode step reads the cache).
+
+Memory the two streams share, without ``record_stream``:
+
+* read by the side stream, allocated on the main one (the layer's full keys and values, its references): the press
+  holds them (``hold``) until the main stream has waited for the side stream, so the caching allocator cannot hand
+  their blocks to a main-stream kernel that would run before the side stream is done reading them;
+* allocated on the side stream, read by the main one (the compressed layer): each side batch starts after
+  everything the main stream had queued, so a later side-stream allocation that reuses such a block (once it is
+  freed) runs after every main-stream read issued before it.
+
+Off a GPU there is no second stream: the compression runs inline, and :class:`CompressionStream` only holds and
+releases (the bookkeeping the CUDA path runs, so it is tested on CPU too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+class CompressionStream:
+    """The side stream of one press (created on first use, per device) and what it must keep alive."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._held: list[Any] = []
+
+    @property
+    def held(self) -> int:
+        """How many layers' inputs are held for work the main stream has not waited for yet."""
+        return len(self._held)
+
+    @contextmanager
+    def run(self, device: torch.device, hold: Any) -> Iterator[None]:
+        """Inside: CUDA work goes to ``device``'s side stream, after all work queued so far on its current stream.
+        ``hold`` (the objects that reach every main-stream tensor the work reads) is kept until :meth:`join`. The
+        previous layer's work is joined first: at most one layer is in flight."""
+        self.join()
+        self._held.append(hold)
+        if device.type != "cuda":
+            yield
+            return
+        main = torch.cuda.current_stream(device)
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            yield
+
+    def join(self) -> None:
+        """Make each device's current stream wait for its side stream's work (no host wait), then release what was
+        held for it."""
+        if not self._held:
+            return
+        for device, side in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+        self._held.clear()
