@@ -109,8 +109,8 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     :meth:`compress_middle`, and :meth:`record_reference` / :meth:`reference_sources` when they need
     reference queries (the repeat pass's hooks: :class:`kvcompress.repeat_hooks.RepeatPassHooks`).
     ``overlap_compression`` (CUDA, presses without a repeat pass): each layer's selection and fit run on a second
-    stream beside the next layer's prefill (:mod:`kvcompress.compression_stream`); the same cache, one more full
-    layer held while it runs. Off by default until measured on a GPU.
+    stream beside the next layer's prefill (:mod:`kvcompress.compression_stream`); the same cache, each layer's full
+    cache held until the next layer's MLP has run. Off by default until measured on a GPU.
     """
 
     compression_ratio: float = 0.0
@@ -131,6 +131,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
     _positions: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _prefilling's
     _side: CompressionStream = field(default_factory=CompressionStream, init=False, repr=False, compare=False)
+    _deferred: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (cache, state)
 
     def __post_init__(self) -> None:
         check_number("compression_ratio", self.compression_ratio, 0, 1)
@@ -234,6 +235,9 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
                     hooks.append(decoder.register_forward_hook(self._after_prefill, with_kwargs=True))
                     streamed = self._repeat_streamed
                     hooks += [layer.register_forward_hook(streamed, with_kwargs=True) for layer in decoder.layers]
+                elif self.overlap_compression:
+                    overlapped = self._compress_beside_next_layer
+                    hooks += [layer.register_forward_hook(overlapped) for layer in decoder.layers]
                 hooks.append(decoder.register_forward_hook(self._finish_prefill, with_kwargs=True))
                 wants_rows = "induction" in self.reference_sources()
                 try:
@@ -243,6 +247,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
                     for hook in hooks:
                         hook.remove()
         finally:
+            self._deferred.clear()
             self._side.join()
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
             self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
@@ -261,6 +266,7 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window
         (:mod:`kvcompress.window`), and a :class:`kvcompress.static_cache.StaticWeightedCache` made static."""
+        self._compress_deferred()
         self._side.join()  # the compressed layers are read from here on
         if self._repeating or not self._prefilled:
             return
@@ -333,12 +339,27 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         state = dict(module=module, references=references, plans=plans, rows=rows, tokens=n)
         if "repeat" in self.reference_sources():
             self._pending[module.layer_idx] = state
-        elif self.overlap_compression:  # the full layer and its references held until the main stream waits
-            with self._side.run(layer.keys.device, hold=(state, layer)):
-                self._compress_layer(cache, state)
+        elif self.overlap_compression:  # compressed after this decoder layer, beside the next one
+            self._deferred[module.layer_idx] = (cache, state)
         else:
             self._compress_layer(cache, state)
         return output
+
+    def _compress_beside_next_layer(self, layer: torch.nn.Module, args: tuple, output: Any) -> None:
+        """Decoder-layer hook (``overlap_compression``): compress this layer on the side stream, beside the next
+        layer's prefill. Launched after the layer's MLP, not after its attention, so that the compression's
+        temporaries meet the next layer's attention, not this layer's MLP (the prefill's peak)."""
+        self._compress_deferred(layer.self_attn.layer_idx)
+
+    def _compress_deferred(self, layer_idx: int | None = None) -> None:
+        """Compress the layer waiting for it (every waiting layer when ``layer_idx`` is None) on the side stream,
+        the layer's full cache and references held until the main stream waits for it."""
+        waiting = list(self._deferred) if layer_idx is None else [layer_idx] if layer_idx in self._deferred else []
+        for idx in waiting:
+            cache, state = self._deferred.pop(idx)
+            layer = cache.layers[idx]
+            with self._side.run(layer.keys.device, hold=(state, layer)):
+                self._compress_layer(cache, state)
 
     def _compress_rows(
         self, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, plan: RowPlan, reference

@@ -53,7 +53,7 @@ def prefill_and_answer(model, press, ids, mask, question):
 @pytest.mark.parametrize("padded", [False, True])
 def test_overlapped_compression_keeps_the_cache(device, name, padded, monkeypatch):
     """The same rows, weights and answers with and without the side stream. On CUDA the side stream first sleeps
-    (about 20 ms a layer), so a compressed layer read before the main stream waits for it holds unwritten rows."""
+    (2e7 cycles, about 10 ms a layer), so a layer read before the main stream waits for it holds unwritten rows."""
     if device == "cuda":
         run = CompressionStream.run
 

@@ -110,6 +110,14 @@ class Clock:
         peak = _resident_peak_bytes() if self._resident else None
         return None if peak is None else peak / 2**30
 
+    def memory_reserved_gib(self) -> float | None:
+        """Peak memory the CUDA caching allocator reserved since the last reset, GiB (None off CUDA): above the
+        allocated peak where blocks cached for one stream cannot serve another (a side stream's work)."""
+        if not self.cuda:
+            return None
+        self.sync()
+        return torch.cuda.max_memory_reserved(self.device) / 2**30
+
 
 def stats(samples: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(samples), "min_s": min(samples), "samples": len(samples)}

@@ -15,8 +15,9 @@ medians over the same repeats). Stages, all in seconds per prefill:
   press's hooks; for kvpress's SnapKV its scoring and pruning are in here).
 
 ``vs_none``: ``total_s`` over the no-press prefill at the same length; ``peak_gib`` / ``peak_vs_snapkv``: peak
-allocated device memory (CUDA only; None on CPU). A setting that fails (e.g. out of memory at 64k) gets an
-``error`` and the run goes on.
+allocated device memory (CUDA only; None on CPU); ``reserved_gib``: the caching allocator's peak reservation (CUDA
+only), which can exceed the allocated peak by what a side stream's blocks keep (``overlap_compression``). A
+setting that fails (e.g. out of memory at 64k) gets an ``error`` and the run goes on.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def run_prefill_breakdown(
                 clock.memory_reset()
                 totals = clock.times(lambda p=press, i=ids: prefill(model, p, i), cfg.e2e_warmup, cfg.e2e_repeats)
                 row["total_s"] = statistics.median(totals)
-                row["peak_gib"] = clock.memory_peak_gib()
+                row["peak_gib"], row["reserved_gib"] = clock.memory_peak_gib(), clock.memory_reserved_gib()
                 parts = []
                 for _ in range(cfg.e2e_repeats):
                     set_attention(model, "sdpa")
@@ -192,7 +193,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any) -> str:
         return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
-    head = ["n", "setting", "total_s", "vs_none", *STAGES, "peak_vs_snapkv"]
+    head = ["n", "setting", "total_s", "vs_none", *STAGES, "peak_vs_snapkv", "reserved_gib"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         values = [row.get(key) for key in head] if "error" not in row else [row["n"], row["setting"], row["error"]]
