@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from kvcompress import CompressKVPress, UniformPress
 from kvcompress.cache import WeightedLayer
 from kvcompress.compression_stream import CompressionStream
+from kvcompress.static_cache import StaticWeightedCache
 from tests.tiny_models import tiny_model
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -25,6 +26,27 @@ PRESSES = {
 
 def random_ids(n: int, seed: int, device: str) -> torch.Tensor:
     return torch.randint(1, 256, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _hold_back_the_side_stream(monkeypatch) -> None:
+    """Each layer's side-stream work starts about 10 ms late (2e7 GPU cycles), so that a read of a compressed layer
+    before the main stream waited for it finds unwritten rows."""
+    run = CompressionStream.run
+
+    def delayed(self, where, hold):
+        with run(self, where, hold):
+            torch.cuda._sleep(20_000_000)  # queued on the side stream, before the layer's compression
+            yield
+
+    monkeypatch.setattr(CompressionStream, "run", contextlib.contextmanager(delayed))
+
+
+def _same(device: str):
+    """CPU: one code path, bit for bit. CUDA: the same kernels, but the fit's ``index_add_`` sums in any order
+    (float32 rounding, grown by the ridge-bounded solves to well under 1e-3); unwritten rows are off by far more."""
+    if device == "cpu":
+        return torch.equal
+    return lambda x, y: torch.allclose(x.float(), y.float(), rtol=1e-3, atol=1e-3)
 
 
 @torch.no_grad()
@@ -52,17 +74,9 @@ def prefill_and_answer(model, press, ids, mask, question):
 @pytest.mark.parametrize("name", PRESSES)
 @pytest.mark.parametrize("padded", [False, True])
 def test_overlapped_compression_keeps_the_cache(device, name, padded, monkeypatch):
-    """The same rows, weights and answers with and without the side stream. On CUDA the side stream first sleeps
-    (2e7 cycles, about 10 ms a layer), so a layer read before the main stream waits for it holds unwritten rows."""
+    """The same rows, weights and answers with and without the side stream (on CUDA held back a little)."""
     if device == "cuda":
-        run = CompressionStream.run
-
-        def delayed(self, where, hold):
-            with run(self, where, hold):
-                torch.cuda._sleep(20_000_000)  # on the side stream: its work starts late
-                yield
-
-        monkeypatch.setattr(CompressionStream, "run", contextlib.contextmanager(delayed))
+        _hold_back_the_side_stream(monkeypatch)
     model = tiny_model("llama", num_hidden_layers=3).to(device)
     question = random_ids(5, 99, device)
     if padded:
@@ -76,13 +90,35 @@ def test_overlapped_compression_keeps_the_cache(device, name, padded, monkeypatc
     plain_layers, plain_logits = prefill_and_answer(model, PRESSES[name](), ids, mask, question)
     layers, logits = prefill_and_answer(model, PRESSES[name](overlap_compression=True), ids, mask, question)
     assert len(layers) == len(plain_layers) == 3
-    # CPU: one code path, bit for bit. CUDA: the same kernels, but the fit's index_add_ sums in any order (float32
-    # rounding, grown by the ridge-bounded solves to well under 1e-3); rows left unwritten are off by far more.
-    same = torch.equal if device == "cpu" else lambda x, y: torch.allclose(x.float(), y.float(), rtol=1e-3, atol=1e-3)
+    same = _same(device)
     for got, want in zip(layers, plain_layers, strict=True):
         for x, y in zip(got, want, strict=True):
             assert same(x, y)
     assert same(logits, plain_logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_static_cache_is_frozen_after_the_side_stream(device, monkeypatch):
+    """A StaticWeightedCache handed to the prefill is made static (its rows copied into preallocated buffers) only
+    after the main stream waited for the side stream: the same tokens and logits as without the option."""
+    if device == "cuda":
+        _hold_back_the_side_stream(monkeypatch)
+    model = tiny_model("qwen2", num_hidden_layers=3).to(device)
+    ids, question = random_ids(240, 4, device), random_ids(4, 5, device)
+    answers = []
+    for overlap in (False, True):
+        cache = StaticWeightedCache(max_new_tokens=16)
+        with torch.no_grad(), CompressKVPress(compression_ratio=0.75, overlap_compression=overlap)(model):
+            model.model(input_ids=ids, past_key_values=cache)
+        assert cache.is_compileable
+        with torch.no_grad():
+            out = model.generate(
+                torch.cat([ids, question], 1), past_key_values=cache, max_new_tokens=3, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        answers.append((out.sequences, torch.stack(out.logits, 1)))
+    assert torch.equal(answers[0][0], answers[1][0])
+    assert _same(device)(answers[0][1], answers[1][1])
 
 
 def test_at_most_one_layer_waits_and_none_after_the_prefill(monkeypatch):
