@@ -109,11 +109,6 @@ class CompressKVPress(WeightedSubsetPress):
             raise ValueError(
                 f"repeat_pieces: 'novel' needs 'novelty' and 'repeat' in reference, got reference={self.reference!r}"
             )
-        if self.overlap_compression and "repeat" in self.reference:
-            raise ValueError(
-                "overlap_compression: runs each layer's compression beside the next layer's prefill, which a repeat "
-                f"pass (reference={self.reference!r}) reads after it; use overlap_compression=False"
-            )
         check_number("novelty_share", self.novelty_share, 0, 1)
         if not isinstance(self.novelty_value_norm, bool):
             raise ValueError(f"novelty_value_norm: must be True or False, got {self.novelty_value_norm!r}")

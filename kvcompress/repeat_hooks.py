@@ -4,7 +4,8 @@ hook), and the recording of the repeat queries while either runs (the mechanics 
 :mod:`kvcompress.reference`).
 
 A mixin: its methods read the press's state (``_pending``, ``_repeating``, ``_snapshot``, ``_stream``, ``_parked``,
-``_call``, ``_windows``), its ``repeat_chunk`` field and ``_compress_layer``.
+``_call``, ``_windows``), its ``repeat_chunk`` field, ``_compress_layer`` and ``_compress_beside`` (a layer's
+compression, on the side stream with ``overlap_compression``).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class RepeatPassHooks:
         repeat_tokens = sum(chunk.shape[1] for chunk in self._stream)
         with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
             repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx)
-        self._compress_layer(cache, self._pending.pop(layer_idx))
+        self._compress_beside(cache, self._pending.pop(layer_idx))
 
     def _park(self, cache, layer_idx: int, state: dict) -> None:
         """After a layer's prefill, when the repeat pass will run layer by layer after the prefill: the layer's full
@@ -177,4 +178,4 @@ class RepeatPassHooks:
                 parked.prefetch(layer_idx + 1)
             with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
                 repeat_through_layer(decoder.layers[layer_idx], decoder, hidden, cache, layer_idx)
-            self._compress_layer(cache, state)
+            self._compress_beside(cache, state)

@@ -108,9 +108,10 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
     A context that needs no removal, or whose budget is 0, is left untouched. Subclasses implement
     :meth:`compress_middle`, and :meth:`record_reference` / :meth:`reference_sources` when they need
     reference queries (the repeat pass's hooks: :class:`kvcompress.repeat_hooks.RepeatPassHooks`).
-    ``overlap_compression`` (CUDA, presses without a repeat pass): each layer's selection and fit run on a second
-    stream beside the next layer's prefill (:mod:`kvcompress.compression_stream`); the same cache, each layer's full
-    cache held until the next layer's MLP has run. Off by default until measured on a GPU.
+    ``overlap_compression`` (CUDA): each layer's selection and fit run on a second stream beside the next layer's
+    prefill, or its repeat pass where that runs layer by layer (:mod:`kvcompress.compression_stream`); the same
+    cache, each layer's full cache held until the next layer's compression starts. Off by default until measured
+    on a GPU.
     """
 
     compression_ratio: float = 0.0
@@ -356,10 +357,17 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         the layer's full cache and references held until the main stream waits for it."""
         waiting = list(self._deferred) if layer_idx is None else [layer_idx] if layer_idx in self._deferred else []
         for idx in waiting:
-            cache, state = self._deferred.pop(idx)
-            layer = cache.layers[idx]
-            with self._side.run(layer.keys.device, hold=(state, layer)):
-                self._compress_layer(cache, state)
+            self._compress_beside(*self._deferred.pop(idx))
+
+    def _compress_beside(self, cache, state: dict) -> None:
+        """:meth:`_compress_layer`, on the side stream with ``overlap_compression`` (the layer's full cache and
+        references held until the main stream waits for it), else right here."""
+        if not self.overlap_compression:
+            self._compress_layer(cache, state)
+            return
+        layer = cache.layers[state["module"].layer_idx]
+        with self._side.run(layer.keys.device, hold=(state, layer)):
+            self._compress_layer(cache, state)
 
     def _compress_rows(
         self, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, plan: RowPlan, reference

@@ -10,7 +10,7 @@
 # order; the seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers; the
 # eighteenth changed the fit and its second kernel (block_sums), so the compiled kernel tests come first; the
 # nineteenth gave the default's fit its window rows from the prefill: prefill_32768 and bench_fit_known show it;
-# the twentieth added default_overlap, the default's selection and fit on a side stream, and its CUDA tests);
+# the twentieth added default_overlap and balanced_overlap, the selection and fit on a side stream, and its tests);
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
@@ -46,7 +46,7 @@ DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
 DECODE_CONTEXTS=${DECODE_CONTEXTS:-32768}
 DECODE_BATCHES=${DECODE_BATCHES:-1 8}
-SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_overlap balanced balanced_eighth thorough kvzip window_sum}
+SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_overlap balanced balanced_overlap balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)

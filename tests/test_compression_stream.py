@@ -21,6 +21,9 @@ PRESSES = {
     "default": lambda **kw: CompressKVPress(compression_ratio=0.75, **kw),
     "paper": lambda **kw: CompressKVPress.paper(0.75, seed=0, **kw),
     "uniform": lambda **kw: UniformPress(compression_ratio=0.75, seed=0, **kw),
+    # the repeat pass streamed through each layer after its prefill, and layer by layer after the prefill
+    "thorough": lambda **kw: CompressKVPress.thorough(0.75, seed=0, repeat_chunk=128, **kw),
+    "balanced": lambda **kw: CompressKVPress.balanced(0.75, seed=0, **kw),
 }
 
 
@@ -121,11 +124,13 @@ def test_a_static_cache_is_frozen_after_the_side_stream(device, monkeypatch):
     assert _same(device)(answers[0][1], answers[1][1])
 
 
-def test_at_most_one_layer_waits_and_none_after_the_prefill(monkeypatch):
+@pytest.mark.parametrize("name", ["default", "thorough", "balanced"])
+def test_at_most_one_layer_waits_and_none_after_the_prefill(name, monkeypatch):
     """While layer l is compressed only its own full cache is held for the side stream: layer l - 1's full keys are
-    freed by then (its work joined), and nothing is held once the prefill returns."""
+    freed by then (its work joined), layer l's are alive while the next layer runs (its prefill, or its repeat pass
+    after the prefill), and nothing is held once the prefill returns."""
     model = tiny_model("qwen2", num_hidden_layers=4)
-    press = CompressKVPress(compression_ratio=0.75, overlap_compression=True)
+    press = PRESSES[name](overlap_compression=True)
     compress = type(press)._compress_layer
     seen, full_keys = [], []  # (layer, layers held, previous layer's full keys alive); weak refs to them
 
@@ -146,13 +151,13 @@ def test_at_most_one_layer_waits_and_none_after_the_prefill(monkeypatch):
         model.model(input_ids=random_ids(300, 5, "cpu"), past_key_values=cache)
         assert press._side.held == 0  # joined when the decoder returned
     assert seen == [(0, 1, False), (1, 1, False), (2, 1, False), (3, 1, False)]
-    assert held_on == [False, True, True, True]
+    # Each of layers 1-3 runs its attention at least once (prefill or repeat chunks) while the layer before is held.
+    assert held_on == [False, True, True, True] if name == "default" else sum(held_on) >= 3
     assert all(ref() is None for ref in full_keys)
     assert all(isinstance(layer, WeightedLayer) for layer in cache.layers)
 
 
-def test_overlap_compression_is_a_bool_and_needs_no_repeat_pass():
-    with pytest.raises(ValueError, match=r"overlap_compression: must be True or False, got 'yes'"):
-        CompressKVPress(compression_ratio=0.5, overlap_compression="yes")
-    with pytest.raises(ValueError, match=r"overlap_compression: .*repeat pass"):
-        CompressKVPress.balanced(0.5, overlap_compression=True)
+def test_overlap_compression_is_a_bool():
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=rf"overlap_compression: must be True or False, got {bad!r}"):
+            CompressKVPress(compression_ratio=0.5, overlap_compression=bad)

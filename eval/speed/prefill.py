@@ -51,8 +51,9 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "window_nofit": dict(reference=("window",), fit="none"),
     "context": dict(reference=("window", "context")),
     "accumulated": dict(reference=("window", "accumulated")),
-    # the default with each layer's selection and fit on a side CUDA stream beside the next layer (off by default)
+    # each layer's selection and fit on a side CUDA stream beside the next layer (overlap_compression, off by default)
     "default_overlap": dict(overlap_compression=True),
+    "balanced_overlap": dict(preset="balanced", overlap_compression=True),
     "window_novelty": dict(reference=("window", "novelty")),  # the default before its induction prior (2026-11-26)
     "balanced_window_novelty": dict(preset="balanced", reference=("window", "novelty", "repeat")),  # before it too
     # balanced()'s second reading halved: the most novel eighth in pieces of 8 tokens (KVzip's answers, BENCHMARKS)
