@@ -128,3 +128,30 @@ def test_no_cudnn_sdpa_holds_for_the_run_only(flags, during, monkeypatch: pytest
     assert speed.main([*TINY, *flags]) == 0
     assert seen == [during and before] and torch.backends.cuda.cudnn_sdp_enabled() == before
     assert speed.resolve_config([*TINY, *flags]).cudnn_sdpa is during
+
+
+def test_skipped_weighted_kernels_launch_nothing_and_come_back() -> None:
+    """``host_python_s``'s context (eval.speed.decode): inside, the decode launcher runs its Python and returns an
+    output of the right shape without launching (interpreted here: launching would write it); after, even after
+    an error, the real kernels are back."""
+    import torch
+
+    from eval.speed.decode import _weighted_kernels_skipped
+    from kvcompress.kernels import weighted_decode
+
+    kernels = (weighted_decode._weighted_split_kernel, weighted_decode._weighted_decode_reduce_kernel)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g),
+               torch.randn(1, 2, 40, 16, generator=g))  # fmt: skip
+    w = torch.rand(1, 2, 40, generator=g) + 0.5
+    q, k, v, w = (x.to(device) for x in (q, k, v, w))
+    with pytest.raises(RuntimeError, match="inside"), _weighted_kernels_skipped():
+        skipped = weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25, num_splits=2)
+        assert skipped.shape == (1, 4, 1, 16)
+        now = (weighted_decode._weighted_split_kernel, weighted_decode._weighted_decode_reduce_kernel)
+        assert all(a is not b for a, b in zip(now, kernels, strict=True))
+        raise RuntimeError("inside")
+    assert (weighted_decode._weighted_split_kernel, weighted_decode._weighted_decode_reduce_kernel) == kernels
+    real = weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25, num_splits=2)
+    assert torch.isfinite(real).all()
