@@ -4,9 +4,10 @@ A press compresses layer l after its prefill; nothing later in the prefill reads
 fit (a few ms of small kernels a layer at 32k tokens, mostly latency, not throughput) can run on a side stream
 while layer l + 1's forward (tens of ms of large GEMMs and attention) runs on the main one. The press launches it
 after layer l's MLP, the prefill's peak of memory, so that the compression's temporaries meet layer l + 1's
-attention instead. The side stream starts after everything the main stream has queued (layer l's keys, values and
-references exist); the main stream waits for it before it may read the result: when the next layer's compression
-is launched (at most one layer in flight) and when the prefill forward returns (before any decode step).
+attention instead (where a repeat pass runs layer by layer: after layer l's pass, beside layer l + 1's). The side
+stream starts after everything the main stream has queued (layer l's keys, values and references exist); the main
+stream waits for it before it may read the result: when the next layer's compression is launched (at most one
+layer in flight) and when the prefill forward returns (before any decode step).
 
 Memory the two streams share, without ``record_stream``:
 
