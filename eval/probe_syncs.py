@@ -27,7 +27,11 @@ from eval.speed.prefill import SETTINGS, make_setting
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.probe_syncs", description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", nargs="+", default=["none", "snapkv", "default", "thorough", "balanced", "kvzip"])
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=["none", "snapkv", "default", "default_overlap", "thorough", "balanced", "balanced_overlap", "kvzip"],
+    )
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the random-weight model (default 4)")
     p.add_argument("--tokens", type=int, default=8192, help="prefill length (default 8192)")
     p.add_argument("--output", default=None, help="JSON file: setting -> {sync site: count}")

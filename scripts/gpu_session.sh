@@ -24,6 +24,8 @@
 #                   and its two kernels alone with other tiles (`--kernel-tiles`: TFLOP/s, agreement)
 #   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
 #                   prefill (`--known-rows`: one kernel, not two), with its top CUDA operators
+#   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
+#                   ran while the main stream was busy too (`eval.probe_overlap`)
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (DECODE_LAYERS of the
 #                   model's 28 layers, default 4: inductor compiles three graphs per batch size; DECODE_CONTEXTS
 #                   and DECODE_BATCHES, default "32768" and "1 8", set which decode_CONTEXT_bBATCH steps run)
@@ -50,7 +52,7 @@ SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_overlap balanced balanc
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
-STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit bench_fit_known prefill_65536 $decode_steps \
+STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit bench_fit_known overlap prefill_65536 $decode_steps \
 decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
@@ -113,6 +115,9 @@ grep -A14 "TFLOP/s" "$OUT/bench_fit.log" 2>/dev/null
 step bench_fit_known 60 $PY -m eval.bench_fit --contexts 32768 --queries 64 --backends triton --known-rows --profile \
     --output "$OUT/bench_fit_known.json"
 head -3 "$OUT/bench_fit_known.log" 2>/dev/null
+
+step overlap 90 $PY -m eval.probe_overlap --output "$OUT/overlap.json"
+cat "$OUT/overlap.log" 2>/dev/null | tail -16
 
 # shellcheck disable=SC2086
 step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
