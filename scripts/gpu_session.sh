@@ -26,7 +26,8 @@
 #                   prefill (`--known-rows`: one kernel, not two), with its top CUDA operators
 #   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
 #                   ran while the main stream was busy too (`eval.probe_overlap`)
-#   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (DECODE_LAYERS of the
+#   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (its host time also
+#                   without the Triton launches and with the merge fused into one launch; DECODE_LAYERS of the
 #                   model's 28 layers, default 4: inductor compiles three graphs per batch size; DECODE_CONTEXTS
 #                   and DECODE_BATCHES, default "32768" and "1 8", set which decode_CONTEXT_bBATCH steps run)
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'

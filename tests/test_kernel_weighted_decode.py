@@ -124,6 +124,48 @@ def test_key_mask_padding_and_filler(dtype):
         check_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 4])
+def test_fused_merge_equals_the_two_launches_and_float64(dtype, m):
+    """The last split of each row block merges the partials (one launch): the two-launch result within the merge's
+    float32 rounding, float64 within the dtype's tolerance, across key masks, clips, a causal offset read on the
+    device and several row blocks (float32: 16 rows a block); called twice, since its counters must be zero again
+    after each launch for the next one to merge."""
+    batch, heads_q, heads_kv, n = 2, 12, 2, 700
+    q, k, v, w, bounds = make_inputs(batch, heads_q, heads_kv, m, n, 64, dtype, clip=True, seed=40 + m)
+    mask = torch.ones(batch, n, dtype=torch.bool, device=q.device)
+    mask[0, :300] = False  # padding over whole splits
+    mask[1, 450:470] = False
+    exact_kwargs = {"causal_offset": n - m, "key_mask": mask, **bounds}
+    exact = weighted_attention(q.double(), k.double(), v.double(), w.double(), backend="torch", **exact_kwargs)
+    for splits, offset in ((3, n - m), (20, torch.tensor([n - m], device=q.device))):
+        kwargs = dict(scaling=0.125, causal_offset=offset, key_mask=mask, num_splits=splits, **bounds)
+        two = weighted_decode.weighted_decode_attention(q, k, v, w, fused_merge=False, **kwargs)
+        for _ in range(2):
+            one = weighted_decode.weighted_decode_attention(q, k, v, w, fused_merge=True, **kwargs)
+            torch.testing.assert_close(one.float(), two.float(), rtol=1e-5, atol=TOL[dtype] / 8)
+            check_close(one, exact, dtype)
+    from kvcompress.kernels.launch import _WORKSPACES
+
+    assert all(not space[3].any() for space in _WORKSPACES.values())  # every counter back to zero
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
+def test_fused_merge_under_concurrency_on_a_gpu():
+    """Qwen2.5-7B's decode shape at 32k rows (4 KV heads, 7 query heads each, about 66 splits of one launch running
+    at once): 50 fused calls in a row, each with its own queries, equal the two-launch results. The partials'
+    buffers are reused from call to call, so a merge that read a split's partial before its program stored it
+    would read the previous call's, another query's, and differ."""
+    _, k, v, w, bounds = make_inputs(1, 28, 4, 1, 32768, 128, torch.bfloat16, clip=False, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    queries = [torch.randn(1, 28, 1, 128, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(50)]
+    kwargs = dict(scaling=128**-0.5, causal_offset=32767, **bounds)
+    two = [weighted_decode.weighted_decode_attention(q, k, v, w, fused_merge=False, **kwargs) for q in queries]
+    fused = [weighted_decode.weighted_decode_attention(q, k, v, w, fused_merge=True, **kwargs) for q in queries]
+    for one, expected in zip(fused, two, strict=True):
+        torch.testing.assert_close(one.float(), expected.float(), rtol=1e-5, atol=TOL[torch.bfloat16] / 8)
+
+
 def test_many_rows_strided_cache_and_odd_dims():
     """group * m = 256 rows (two row blocks); a [b, n, h, d] cache viewed as [b, h, n, d]; d = 80, d_v = 48."""
     batch, heads_kv, n = 2, 1, 150

@@ -180,11 +180,24 @@ def _weighted_kernels_skipped() -> Iterator[None]:
             setattr(weighted_decode, name, kernel)
 
 
+@contextmanager
+def _fused_merge() -> Iterator[None]:
+    """Inside: the weighted decode launcher merges the splits in the split kernel (``FUSED_MERGE``: one launch)."""
+    from kvcompress.kernels import weighted_decode
+
+    saved, weighted_decode.FUSED_MERGE = weighted_decode.FUSED_MERGE, True
+    try:
+        yield
+    finally:
+        weighted_decode.FUSED_MERGE = saved
+
+
 def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, notes: Notes) -> list[dict[str, Any]]:
     """One layer's attention call of a decode step on ``cache`` (after its decode steps): from Python, and replayed
     in a CUDA graph (CUDA only). ``host_s``: wall time per call issued back to back (the same rows every call, so
     the clip range folds in no new row); for ``ours/eager`` on CUDA also ``host_python_s``, the same with the Triton
-    launches skipped (the rest of ``host_s`` is Triton's launcher)."""
+    launches skipped (the rest of ``host_s`` is Triton's launcher), and ``python_fused_s`` / ``host_fused_s``, the
+    call with the splits merged in the split kernel (one launch instead of two)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     module = model.model.layers[cfg.attention_layer].self_attn
@@ -206,12 +219,20 @@ def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, 
             call()
         row["host_s"] = (time.perf_counter() - start) / cfg.repeats
         clock.sync()
-        if variant == "ours/eager" and clock.cuda:  # the same calls with the Triton launches skipped
-            with _weighted_kernels_skipped():
+        if variant == "ours/eager" and clock.cuda:
+            with _weighted_kernels_skipped():  # the same calls with the Triton launches skipped
                 start = time.perf_counter()
                 for _ in range(cfg.repeats):
                     call()
                 row["host_python_s"] = (time.perf_counter() - start) / cfg.repeats
+            clock.sync()
+            with _fused_merge():  # the same calls in one launch: the splits merged by the last one
+                row["python_fused_s"] = stats(clock.times(call, cfg.warmup, cfg.repeats))["median_s"]
+                clock.sync()
+                start = time.perf_counter()
+                for _ in range(cfg.repeats):
+                    call()
+                row["host_fused_s"] = (time.perf_counter() - start) / cfg.repeats
             clock.sync()
         if clock.cuda:
             graph = torch.cuda.CUDAGraph()
@@ -318,7 +339,8 @@ def format_decode(section: dict[str, Any]) -> str:
     ]  # fmt: skip
     calls = [
         [r["variant"], r["context"], r["batch"], r["rows"], us(r.get("python_s")), us(r.get("host_s")),
-         us(r.get("host_python_s")), us(r.get("cuda_graph_s")), r.get("error", "")]
+         us(r.get("host_python_s")), us(r.get("python_fused_s")), us(r.get("host_fused_s")),
+         us(r.get("cuda_graph_s")), r.get("error", "")]
         for r in section["attention"]
     ]  # fmt: skip
     goals = [
@@ -343,7 +365,7 @@ def format_decode(section: dict[str, Any]) -> str:
                 "\n[decode] one layer's attention call (us): from Python (device time per call, and host time per call"
                 " issued back to back), and replayed in a CUDA graph",
                 ["variant", "context", "batch", "rows", "python us", "host us", "host us without launches",
-                 "cuda graph us", "error"],
+                 "python us fused merge", "host us fused merge", "cuda graph us", "error"],
                 calls,
             ),
             table(

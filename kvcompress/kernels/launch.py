@@ -74,7 +74,7 @@ class LaunchPlan:
 
 
 _PLANS: dict[tuple, LaunchPlan] = {}
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _DUMMIES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _CACHE_LIMIT = 256  # distinct shapes kept (a dynamic cache changes n every step; a static one never)
 
@@ -142,16 +142,18 @@ def launch_plan(
 
 
 def workspace(device: torch.device, pairs: int, plan: LaunchPlan, d_v: int) -> tuple[torch.Tensor, ...]:
-    """Stage-1 partials ``(m, den, acc)``, reused across calls of one shape. Calls on one stream run in order,
-    so a later call overwrites them only after stage 2 of the earlier one has read them."""
-    key = (device, pairs, plan.num_splits, plan.rows, d_v)
+    """Stage-1 partials ``(m, den, acc)`` and the fused merge's counters (int32, one per pair and row block, zero
+    between launches), reused across calls of one shape. Calls on one stream run in order, so a later call
+    overwrites them only after stage 2 of the earlier one has read them."""
+    key = (device, pairs, plan.num_splits, plan.rows, d_v, plan.grid[2])
     space = _WORKSPACES.get(key)
     if space is None:
         mpart = torch.empty(pairs, plan.num_splits, plan.rows, dtype=torch.float32, device=device)
         npart = torch.empty(pairs, plan.num_splits, plan.rows, d_v, dtype=torch.float32, device=device)
+        locks = torch.zeros(pairs * plan.grid[2], dtype=torch.int32, device=device)
         if len(_WORKSPACES) >= _CACHE_LIMIT:
             _WORKSPACES.clear()
-        space = _WORKSPACES[key] = (mpart, torch.empty_like(mpart), npart)
+        space = _WORKSPACES[key] = (mpart, torch.empty_like(mpart), npart, locks)
     return space
 
 

@@ -52,6 +52,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit sa
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NEW_TOKENS = 16  # m: one decode step, or a short chunk of new tokens (speculative / chunked prefill tail)
+# The split partials merged by the last split's program instead of a second launch (``fused_merge``): off until a
+# GPU measures it (its host saving, and its cross-program ordering compiled: the interpreter runs programs in turn).
+FUSED_MERGE = False
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
@@ -108,8 +111,32 @@ def _attend_tiles(
 
 
 @triton.jit
+def _merge_splits(mpart_ptr, dpart_ptr, npart_ptr, bh, offs_r, r_mask, offs_dv, dv_mask, ROWS, SPLITS,
+                  BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, DV: tl.constexpr):  # fmt: skip
+    """Every split's ``(m, den, acc)`` of rows ``offs_r`` of pair ``bh`` merged with 2^(m_s - M): ``(acc, den)``.
+    Read past L1 (``.cg``): other programs, on other multiprocessors, wrote them during this launch."""
+    m_run = tl.full([BLOCK_R], NEG_BIG, tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for split in range(0, SPLITS):
+        part = (bh.to(tl.int64) * SPLITS + split) * ROWS + offs_r
+        m_s = tl.load(mpart_ptr + part, mask=r_mask, other=NEG_BIG, cache_modifier=".cg")
+        d_s = tl.load(dpart_ptr + part, mask=r_mask, other=0.0, cache_modifier=".cg")
+        n_s = tl.load(npart_ptr + part[:, None] * DV + offs_dv[None, :], mask=r_mask[:, None] & dv_mask[None, :],
+                      other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_run, m_s)
+        alpha = tl.exp2(m_run - m_new)
+        scale = tl.exp2(m_s - m_new)
+        den = den * alpha + scale * d_s
+        acc = acc * alpha[:, None] + scale[:, None] * n_s
+        m_run = m_new
+    return acc, den
+
+
+@triton.jit
 def _weighted_split_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr, offset_ptr,
+    lock_ptr,
     H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
@@ -121,10 +148,13 @@ def _weighted_split_kernel(
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, OFFSET_PTR: tl.constexpr,
+    DOT_FP32: tl.constexpr, OFFSET_PTR: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
     """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``.
-    ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step)."""
+    ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step).
+    ``FUSED_MERGE`` (several splits): the last program of a (pair, row block) to store its partials, counted in
+    ``lock_ptr`` (int32, zero before the launch and again after it), merges them and writes the output: stage 2
+    without its launch."""
     if OFFSET_PTR:
         offset = tl.load(offset_ptr).to(tl.int32)
     else:
@@ -182,11 +212,26 @@ def _weighted_split_kernel(
         out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
         o_ptrs = out_ptr + row[:, None] * DV + offs_dv[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
-    else:  # partials in the decode kernel's layout, merged by its reduce kernel
+    else:  # partials in the decode kernel's layout, merged by its reduce kernel (or the last split: FUSED_MERGE)
         part = (bh.to(tl.int64) * tl.num_programs(1) + split) * ROWS + offs_r
         tl.store(mpart_ptr + part, m_i, mask=r_mask)
         tl.store(dpart_ptr + part, den, mask=r_mask)
         tl.store(npart_ptr + part[:, None] * DV + offs_dv[None, :], acc, mask=r_mask[:, None] & dv_mask[None, :])
+        if FUSED_MERGE:
+            # Every thread's stores before the count (the barrier), the count a release and, for the program that
+            # sees the others' counts, an acquire: the last one reads every split's partials as stored.
+            tl.debug_barrier()
+            lock = lock_ptr + bh * tl.num_programs(2) + rblock
+            stored = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            if stored == tl.num_programs(1) - 1:
+                acc, den = _merge_splits(mpart_ptr, dpart_ptr, npart_ptr, bh, offs_r, r_mask, offs_dv, dv_mask,
+                                         ROWS, tl.num_programs(1), BLOCK_R, BLOCK_DV, DV)  # fmt: skip
+                vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
+                vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
+                out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
+                o_ptrs = out_ptr + row[:, None] * DV + offs_dv[None, :]
+                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
@@ -274,7 +319,7 @@ def unsupported_reason(
 @functools.lru_cache(maxsize=256)  # per plan and flags, as the plans are: a decode step builds no dicts
 def kernel_options(
     plan: LaunchPlan, dim: int, d_v: int, *, has_vmin: bool, has_vmax: bool, has_mask: bool,
-    offset_on_device: bool, num_stages: int,
+    offset_on_device: bool, num_stages: int, fused_merge: bool = False,
 ) -> tuple[dict, dict]:  # fmt: skip
     """The constexprs and launch options of stage 1 and stage 2 (used when ``plan.num_splits > 1``) for a launch
     ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one. Cached:
@@ -283,7 +328,7 @@ def kernel_options(
     split = dict(
         D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_MASK=has_mask, FINAL=plan.num_splits == 1, DOT_FP32=plan.dot_fp32, OFFSET_PTR=offset_on_device,
-        num_warps=plan.num_warps, num_stages=num_stages, **clips,
+        FUSED_MERGE=fused_merge and plan.num_splits > 1, num_warps=plan.num_warps, num_stages=num_stages, **clips,
     )  # fmt: skip
     reduce = dict(DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv, num_warps=plan.reduce_warps, **clips)
     return split, reduce
@@ -307,6 +352,7 @@ def weighted_decode_attention(
     num_stages: int = 2,
     max_new_tokens: int | None = MAX_NEW_TOKENS,
     check: bool = True,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
     ``[b, h_kv, n, d_v]`` cache.
@@ -319,7 +365,8 @@ def weighted_decode_attention(
     ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16) / ``num_warps`` (stage 1's:
     1, 2, 4, 8 or 16) override the heuristics (tests, tuning); ``num_stages``: Triton's software pipelining depth.
     Launch plans and the split partials are cached per shape. Accumulates in fp32; returns ``[b, h_q, m, d_v]``
-    contiguous in ``values.dtype``.
+    contiguous in ``values.dtype``. ``fused_merge``: with several splits, the last split of each row block merges
+    them (one launch instead of two: the host's cost of a decode call is mostly launches); None: ``FUSED_MERGE``.
     """
     if check:
         reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
@@ -332,7 +379,11 @@ def weighted_decode_attention(
     heads_kv, d_v = keys.shape[1], values.shape[3]
     out = torch.empty(batch, heads_q, m, d_v, dtype=values.dtype, device=values.device)
     final = plan.num_splits == 1
-    mpart, dpart, npart = (out, out, out) if final else workspace(out.device, batch * heads_kv, plan, d_v)
+    fused = not final and (FUSED_MERGE if fused_merge is None else fused_merge)
+    if final:
+        mpart = dpart = npart = out
+    else:
+        mpart, dpart, npart, locks = workspace(out.device, batch * heads_kv, plan, d_v)
     dummy, dummy_mask = dummies(out.device, values.dtype)
     lo_t = v_min if v_min is not None else dummy
     hi_t = v_max if v_max is not None else dummy
@@ -342,19 +393,20 @@ def weighted_decode_attention(
 
     split_options, reduce_options = kernel_options(
         plan, dim, d_v, has_vmin=v_min is not None, has_vmax=v_max is not None, has_mask=key_mask is not None,
-        offset_on_device=on_device, num_stages=num_stages,
+        offset_on_device=on_device, num_stages=num_stages, fused_merge=fused,
     )  # fmt: skip
     if num_warps is not None:
         split_options = {**split_options, "num_warps": num_warps}
     _weighted_split_kernel[plan.grid](
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
+        locks if fused else dummy_mask,
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
         scaling * LOG2E,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
         **split_options,
     )  # fmt: skip
-    if not final:
+    if not final and not fused:
         _weighted_decode_reduce_kernel[(batch * heads_kv * plan.rows,)](
             mpart, dpart, npart, lo_t, hi_t, out,
             heads_kv, plan.rows, plan.num_splits,
