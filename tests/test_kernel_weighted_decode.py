@@ -224,6 +224,12 @@ def test_decode_launcher_rejects_more_than_16_new_tokens():
         weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25)
 
 
+def test_launcher_rejects_a_fused_merge_that_is_not_a_bool():
+    q, k, v, w, _ = make_inputs(1, 2, 1, 1, 40, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"fused_merge: must be True, False or None, got 'yes'"):
+        weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25, fused_merge="yes")
+
+
 @pytest.mark.parametrize("warps", [3, 0, 32])
 def test_launcher_rejects_a_bad_warp_count(warps):
     q, k, v, w, _ = make_inputs(1, 2, 1, 1, 20, 16, torch.float32)

@@ -374,6 +374,8 @@ def weighted_decode_attention(
             raise ValueError(f"weighted attention kernel: {reason}")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+    if fused_merge is not None and not isinstance(fused_merge, bool):
+        raise ValueError(f"fused_merge: must be True, False or None, got {fused_merge!r}")
     plan = launch_plan(queries, keys, values, causal_offset, num_splits, block_n, block_r, INTERPRET)
     batch, heads_q, m, dim = queries.shape
     heads_kv, d_v = keys.shape[1], values.shape[3]
