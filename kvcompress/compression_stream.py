@@ -69,3 +69,31 @@ class CompressionStream:
         for device, side in self._streams.items():
             torch.cuda.current_stream(device).wait_stream(side)
         self._held.clear()
+
+
+class SideStreamCompression:
+    """The press's side of ``overlap_compression`` (a mixin of :class:`kvcompress.weighted_press.WeightedSubsetPress`:
+    it reads the press's ``overlap_compression``, ``_side`` (a :class:`CompressionStream`), ``_deferred`` (layer ->
+    ``(cache, state)`` waiting for its decoder layer to finish) and ``_compress_layer``)."""
+
+    def _compress_beside_next_layer(self, layer: torch.nn.Module, args: tuple, output: Any) -> None:
+        """Decoder-layer hook (``overlap_compression``): compress this layer on the side stream, beside the next
+        layer's prefill. Launched after the layer's MLP, not after its attention, so that the compression's
+        temporaries meet the next layer's attention, not this layer's MLP (the prefill's peak)."""
+        self._compress_deferred(layer.self_attn.layer_idx)
+
+    def _compress_deferred(self, layer_idx: int | None = None) -> None:
+        """Compress the layer waiting for it (every waiting layer when ``layer_idx`` is None) on the side stream."""
+        waiting = list(self._deferred) if layer_idx is None else [layer_idx] if layer_idx in self._deferred else []
+        for idx in waiting:
+            self._compress_beside(*self._deferred.pop(idx))
+
+    def _compress_beside(self, cache, state: dict) -> None:
+        """``_compress_layer``, on the side stream with ``overlap_compression`` (the layer's full cache and
+        references held until the main stream waits for it), else right here."""
+        if not self.overlap_compression:
+            self._compress_layer(cache, state)
+            return
+        layer = cache.layers[state["module"].layer_idx]
+        with self._side.run(layer.keys.device, hold=(state, layer)):
+            self._compress_layer(cache, state)

@@ -46,7 +46,7 @@ from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
-from kvcompress.compression_stream import CompressionStream
+from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
 from kvcompress.reference import LayerReference
@@ -97,7 +97,7 @@ class RowPlan:
 
 
 @dataclass
-class WeightedSubsetPress(RepeatPassHooks, BasePress):
+class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
 
     After compression each head holds exactly ``int(n * (1 - compression_ratio))`` rows of an n-token
@@ -345,29 +345,6 @@ class WeightedSubsetPress(RepeatPassHooks, BasePress):
         else:
             self._compress_layer(cache, state)
         return output
-
-    def _compress_beside_next_layer(self, layer: torch.nn.Module, args: tuple, output: Any) -> None:
-        """Decoder-layer hook (``overlap_compression``): compress this layer on the side stream, beside the next
-        layer's prefill. Launched after the layer's MLP, not after its attention, so that the compression's
-        temporaries meet the next layer's attention, not this layer's MLP (the prefill's peak)."""
-        self._compress_deferred(layer.self_attn.layer_idx)
-
-    def _compress_deferred(self, layer_idx: int | None = None) -> None:
-        """Compress the layer waiting for it (every waiting layer when ``layer_idx`` is None) on the side stream,
-        the layer's full cache and references held until the main stream waits for it."""
-        waiting = list(self._deferred) if layer_idx is None else [layer_idx] if layer_idx in self._deferred else []
-        for idx in waiting:
-            self._compress_beside(*self._deferred.pop(idx))
-
-    def _compress_beside(self, cache, state: dict) -> None:
-        """:meth:`_compress_layer`, on the side stream with ``overlap_compression`` (the layer's full cache and
-        references held until the main stream waits for it), else right here."""
-        if not self.overlap_compression:
-            self._compress_layer(cache, state)
-            return
-        layer = cache.layers[state["module"].layer_idx]
-        with self._side.run(layer.keys.device, hold=(state, layer)):
-            self._compress_layer(cache, state)
 
     def _compress_rows(
         self, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, plan: RowPlan, reference

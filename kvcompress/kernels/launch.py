@@ -1,11 +1,12 @@
 """Host side of the weighted attention kernels (:mod:`kvcompress.kernels.weighted_decode`): the split heuristic,
-launch plans cached per shape, and the reused split partials, so that a call does no planning and no allocation
-beyond its output once its shape has been seen (a static cache's shape never changes; a dynamic cache's grows by
-one row a step).
+launch plans cached per shape, the kernels' launch options per plan, and the reused split partials, so that a call
+does no planning and no allocation beyond its output once its shape has been seen (a static cache's shape never
+changes; a dynamic cache's grows by one row a step).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -166,3 +167,21 @@ def dummies(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, tor
             torch.zeros(1, 1, dtype=torch.uint8, device=device),
         )
     return _DUMMIES[key]
+
+
+@functools.lru_cache(maxsize=256)  # per plan and flags, as the plans are: a decode step builds no dicts
+def kernel_options(
+    plan: LaunchPlan, dim: int, d_v: int, *, has_vmin: bool, has_vmax: bool, has_mask: bool,
+    offset_on_device: bool, num_stages: int, fused_merge: bool = False,
+) -> tuple[dict, dict]:  # fmt: skip
+    """The constexprs and launch options of stage 1 and stage 2 (used when ``plan.num_splits > 1``) for a launch
+    ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one. Cached:
+    never mutate the returned dicts."""
+    clips = dict(HAS_VMIN=has_vmin, HAS_VMAX=has_vmax)
+    split = dict(
+        D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        HAS_MASK=has_mask, FINAL=plan.num_splits == 1, DOT_FP32=plan.dot_fp32, OFFSET_PTR=offset_on_device,
+        FUSED_MERGE=fused_merge and plan.num_splits > 1, num_warps=plan.num_warps, num_stages=num_stages, **clips,
+    )  # fmt: skip
+    reduce = dict(DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv, num_warps=plan.reduce_warps, **clips)
+    return split, reduce

@@ -27,7 +27,6 @@ Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU tensors
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -44,6 +43,7 @@ from kvcompress.kernels.launch import (  # noqa: F401  (the tiling constants and
     LaunchPlan,
     choose_num_splits,
     dummies,
+    kernel_options,
     launch_plan,
     workspace,
 )
@@ -314,24 +314,6 @@ def unsupported_reason(
     if batch < 1 or n < 1:
         return f"needs batch >= 1 and cache length n >= 1 (got batch={batch}, n={n})"
     return None
-
-
-@functools.lru_cache(maxsize=256)  # per plan and flags, as the plans are: a decode step builds no dicts
-def kernel_options(
-    plan: LaunchPlan, dim: int, d_v: int, *, has_vmin: bool, has_vmax: bool, has_mask: bool,
-    offset_on_device: bool, num_stages: int, fused_merge: bool = False,
-) -> tuple[dict, dict]:  # fmt: skip
-    """The constexprs and launch options of stage 1 and stage 2 (used when ``plan.num_splits > 1``) for a launch
-    ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one. Cached:
-    never mutate the returned dicts."""
-    clips = dict(HAS_VMIN=has_vmin, HAS_VMAX=has_vmax)
-    split = dict(
-        D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
-        HAS_MASK=has_mask, FINAL=plan.num_splits == 1, DOT_FP32=plan.dot_fp32, OFFSET_PTR=offset_on_device,
-        FUSED_MERGE=fused_merge and plan.num_splits > 1, num_warps=plan.num_warps, num_stages=num_stages, **clips,
-    )  # fmt: skip
-    reduce = dict(DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv, num_warps=plan.reduce_warps, **clips)
-    return split, reduce
 
 
 def weighted_decode_attention(
