@@ -20,7 +20,8 @@ block and serves all query heads of the group and all new tokens of the block wi
 K/V once per extra row block). The rest is small for decode: the queries, the output, and per-split fp32
 partials (``splits * rows * (d_v + 2)`` floats written by stage 1 and read by stage 2, which merges the
 splits with log-sum-exp rescaling and applies Alg. 3's ``den <= 0 -> 0`` and the clip). With a single
-split, stage 1 writes the output itself (one launch).
+split, stage 1 writes the output itself (one launch); with ``FUSED_MERGE``, the last program of each row block to
+finish its split does stage 2's work for that block (one launch, counted in per-block int32 counters).
 
 Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU tensors (tests).
 """
