@@ -22,28 +22,17 @@ from typing import Any
 
 import torch
 
-from eval.speed.config import resolve_config
-from eval.speed.e2e import build_model, prefill
-from eval.speed.prefill import SETTINGS, make_setting
+from eval.probe_workload import probe_args, warmed_prefills
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.probe_overlap", description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", nargs="+", default=["default", "default_overlap", "balanced", "balanced_overlap"])
-    p.add_argument("--layers", type=int, default=4, help="decoder layers of the random-weight model (default 4)")
-    p.add_argument("--tokens", type=int, default=32768, help="prefill length (default 32768)")
-    p.add_argument("--output", default=None, help="JSON file: setting -> streams' busy and overlapped ms")
-    args = p.parse_args(argv)
-    unknown = [name for name in args.settings if name not in SETTINGS]
-    if unknown:
-        p.error(f"--settings: choose from {', '.join(SETTINGS)}, got {unknown}")
-    if args.layers < 1 or args.tokens < 1:
-        p.error(f"--layers and --tokens: must be >= 1, got {args.layers} and {args.tokens}")
-    if not torch.cuda.is_available():
-        p.error("CUDA is not available: a CPU has no streams to overlap (run this on a GPU machine)")
-    return args
+    return probe_args(
+        "python -m eval.probe_overlap", __doc__.split("\n\n")[0], argv,
+        settings=["default", "default_overlap", "balanced", "balanced_overlap"], tokens=32768,
+        output="JSON file: setting -> streams' busy and overlapped ms", needs_cuda="a CPU has no streams to overlap",
+    )  # fmt: skip
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -110,15 +99,9 @@ def profile_prefill(fn) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    cfg = resolve_config(["--model-layers", str(args.layers)])
-    device = torch.device("cuda")
-    model = build_model(cfg, device, torch.bfloat16)
-    ids = torch.randint(0, cfg.model["vocab_size"], (1, args.tokens), device=device)
     found = {}
-    for name in args.settings:
-        press = make_setting(name, cfg)
-        prefill(model, press, ids)  # warm-up: Triton compiles and first allocations outside the trace
-        found[name] = summary = profile_prefill(lambda p=press: prefill(model, p, ids))
+    for name, run in warmed_prefills(args):
+        found[name] = summary = profile_prefill(run)
         print(f"{name}: GPU span {summary['span_ms']:.2f} ms", flush=True)
         for row in summary["streams"]:
             extra = "" if row["main"] else f", {row['overlapped_ms']:.2f} ms of it beside the main stream"

@@ -20,30 +20,16 @@ from pathlib import Path
 
 import torch
 
-from eval.speed.config import resolve_config
-from eval.speed.e2e import build_model, prefill
-from eval.speed.prefill import SETTINGS, make_setting
+from eval.probe_workload import probe_args, warmed_prefills
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.probe_syncs", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--settings",
-        nargs="+",
-        default=["none", "snapkv", "default", "default_overlap", "thorough", "balanced", "balanced_overlap", "kvzip"],
-    )
-    p.add_argument("--layers", type=int, default=4, help="decoder layers of the random-weight model (default 4)")
-    p.add_argument("--tokens", type=int, default=8192, help="prefill length (default 8192)")
-    p.add_argument("--output", default=None, help="JSON file: setting -> {sync site: count}")
-    args = p.parse_args(argv)
-    unknown = [name for name in args.settings if name not in SETTINGS]
-    if unknown:
-        p.error(f"--settings: choose from {', '.join(SETTINGS)}, got {unknown}")
-    if args.layers < 1 or args.tokens < 1:
-        p.error(f"--layers and --tokens: must be >= 1, got {args.layers} and {args.tokens}")
-    if not torch.cuda.is_available():
-        p.error("CUDA is not available: a CPU has no host-device syncs to count (run this on a GPU machine)")
-    return args
+    return probe_args(
+        "python -m eval.probe_syncs", __doc__.split("\n\n")[0], argv,
+        settings=["none", "snapkv", "default", "default_overlap", "thorough", "balanced", "balanced_overlap", "kvzip"],
+        tokens=8192, output="JSON file: setting -> {sync site: count}",
+        needs_cuda="a CPU has no host-device syncs to count",
+    )  # fmt: skip
 
 
 def _site(message: object, filename: str, lineno: int) -> str:
@@ -76,15 +62,9 @@ def count_syncs(fn) -> collections.Counter:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    cfg = resolve_config(["--model-layers", str(args.layers)])
-    device = torch.device("cuda")
-    model = build_model(cfg, device, torch.bfloat16)
-    ids = torch.randint(0, cfg.model["vocab_size"], (1, args.tokens), device=device)
     found = {}
-    for name in args.settings:
-        press = make_setting(name, cfg)
-        prefill(model, press, ids)  # warm-up: Triton compiles and first allocations outside the count
-        sites = count_syncs(lambda p=press: prefill(model, p, ids))
+    for name, run in warmed_prefills(args):
+        sites = count_syncs(run)
         found[name] = dict(sites)
         print(f"{name}: {sum(sites.values())} syncs", flush=True)
         for site, count in sites.most_common(12):
