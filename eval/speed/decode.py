@@ -20,9 +20,10 @@ compile happens in the warm-up steps, never in the timed ones. Steps pass device
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -159,37 +160,20 @@ def build_variant(variant: str, model, ids: torch.Tensor, batch: int, cfg: Confi
     return cache, forward, first_row
 
 
-@contextmanager
-def _weighted_kernels_skipped() -> Iterator[None]:
+class _SkippedLaunch:
+    """A Triton kernel stand-in whose launches do nothing."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _weighted_kernels_skipped() -> AbstractContextManager:
     """Inside: the weighted decode kernels' launches do nothing, so a call's host time is ours (Python, the
     dispatcher, the output's allocation) without Triton's launcher. Outputs are then unwritten: timing only."""
     from kvcompress.kernels import weighted_decode
 
-    class Skipped:
-        def __getitem__(self, grid: Any) -> Callable[..., None]:
-            return lambda *args, **kwargs: None
-
-    names = ("_weighted_split_kernel", "_weighted_decode_reduce_kernel")
-    saved = {name: getattr(weighted_decode, name) for name in names}
-    try:
-        for name in names:
-            setattr(weighted_decode, name, Skipped())
-        yield
-    finally:
-        for name, kernel in saved.items():
-            setattr(weighted_decode, name, kernel)
-
-
-@contextmanager
-def _fused_merge() -> Iterator[None]:
-    """Inside: the weighted decode launcher merges the splits in the split kernel (``FUSED_MERGE``: one launch)."""
-    from kvcompress.kernels import weighted_decode
-
-    saved, weighted_decode.FUSED_MERGE = weighted_decode.FUSED_MERGE, True
-    try:
-        yield
-    finally:
-        weighted_decode.FUSED_MERGE = saved
+    skipped = dict(_weighted_split_kernel=_SkippedLaunch(), _weighted_decode_reduce_kernel=_SkippedLaunch())
+    return mock.patch.multiple(weighted_decode, **skipped)
 
 
 def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, notes: Notes) -> list[dict[str, Any]]:
@@ -210,30 +194,29 @@ def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, 
     def call() -> Any:
         return attention(module, query, keys, values, None, dropout=0.0, scaling=module.scaling)[0]
 
+    def host_seconds() -> float:
+        """Seconds per call issued back to back, no sync: the host's cost per call while the GPU queue runs."""
+        clock.sync()
+        start = time.perf_counter()
+        for _ in range(cfg.repeats):
+            call()
+        seconds = (time.perf_counter() - start) / cfg.repeats
+        clock.sync()
+        return seconds
+
     row: dict[str, Any] = {"variant": variant, "batch": keys.shape[0], "rows": keys.shape[-2]}
     try:
         row["python_s"] = stats(clock.times(call, cfg.warmup, cfg.repeats))["median_s"]
-        clock.sync()
-        start = time.perf_counter()
-        for _ in range(cfg.repeats):  # back to back, no sync: the host's cost per call while the GPU queue runs
-            call()
-        row["host_s"] = (time.perf_counter() - start) / cfg.repeats
-        clock.sync()
+        row["host_s"] = host_seconds()
         if variant == "ours/eager" and clock.cuda:
+            from kvcompress.kernels import weighted_decode
+
             with _weighted_kernels_skipped():  # the same calls with the Triton launches skipped
-                start = time.perf_counter()
-                for _ in range(cfg.repeats):
-                    call()
-                row["host_python_s"] = (time.perf_counter() - start) / cfg.repeats
-            clock.sync()
-            with _fused_merge():  # the same calls in one launch: the splits merged by the last one
+                row["host_python_s"] = host_seconds()
+            # the same calls in one launch: the splits merged by the last one
+            with mock.patch.object(weighted_decode, "FUSED_MERGE", True):
                 row["python_fused_s"] = stats(clock.times(call, cfg.warmup, cfg.repeats))["median_s"]
-                clock.sync()
-                start = time.perf_counter()
-                for _ in range(cfg.repeats):
-                    call()
-                row["host_fused_s"] = (time.perf_counter() - start) / cfg.repeats
-            clock.sync()
+                row["host_fused_s"] = host_seconds()
         if clock.cuda:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
