@@ -118,7 +118,7 @@ step bench_fit_known 60 $PY -m eval.bench_fit --contexts 32768 --queries 64 --ba
 head -3 "$OUT/bench_fit_known.log" 2>/dev/null
 
 step overlap 90 $PY -m eval.probe_overlap --output "$OUT/overlap.json"
-cat "$OUT/overlap.log" 2>/dev/null | tail -16
+tail -16 "$OUT/overlap.log" 2>/dev/null
 
 # shellcheck disable=SC2086
 step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
