@@ -10,7 +10,8 @@
 # order; the seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers; the
 # eighteenth changed the fit and its second kernel (block_sums), so the compiled kernel tests come first; the
 # nineteenth gave the default's fit its window rows from the prefill: prefill_32768 and bench_fit_known show it;
-# the twentieth added default_overlap and balanced_overlap, the selection and fit on a side stream, and its tests);
+# the twentieth added default_overlap and balanced_overlap, the selection and fit on a side stream, and its tests;
+# the twenty-first the decode kernels' cached launch: kernel_tests run it compiled, decode_* time it);
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
@@ -27,8 +28,9 @@
 #   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
 #                   ran while the main stream was busy too (`eval.probe_overlap`)
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (its host time also
-#                   without the Triton launches and with the merge fused into one launch; DECODE_LAYERS of the
-#                   model's 28 layers, default 4: inductor compiles three graphs per batch size; DECODE_CONTEXTS
+#                   without the Triton launches, with the merge fused into one launch, with the cached launch and
+#                   with both; DECODE_LAYERS of the model's 28 layers, default 4: inductor compiles three graphs per
+#                   batch size; DECODE_CONTEXTS
 #                   and DECODE_BATCHES, default "32768" and "1 8", set which decode_CONTEXT_bBATCH steps run)
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
 #                   37-40 ms (4 layers, the seventeenth session) are cuDNN building a plan per new key length
@@ -96,7 +98,8 @@ cat "$OUT/environment.txt"
 step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
     tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
     tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
-    tests/test_compression_stream.py tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
+    tests/test_compression_stream.py tests/test_cached_launch.py \
+    tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache -k "not pipeline"
 grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" 2>/dev/null | tail -15
 
 step lse_prefill 40 $PY -m eval.probe_flash_lse --context 0 --chunk 32768 --output "$OUT/lse_prefill.json"

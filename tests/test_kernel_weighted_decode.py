@@ -151,11 +151,13 @@ def test_fused_merge_equals_the_two_launches_and_float64(dtype, m):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
-def test_fused_merge_under_concurrency_on_a_gpu():
+@pytest.mark.parametrize("cached", [False, True], ids=["tritons_launch", "cached_launch"])
+def test_fused_merge_under_concurrency_on_a_gpu(monkeypatch, cached):
     """Qwen2.5-7B's decode shape at 32k rows (4 KV heads, 7 query heads each, about 66 splits of one launch running
     at once): 50 fused calls in a row, each with its own queries, equal the two-launch results. The partials'
     buffers are reused from call to call, so a merge that read a split's partial before its program stored it
-    would read the previous call's, another query's, and differ."""
+    would read the previous call's, another query's, and differ. Launched Triton's way and through CACHED_LAUNCH."""
+    monkeypatch.setattr(weighted_decode, "CACHED_LAUNCH", cached)
     _, k, v, w, bounds = make_inputs(1, 28, 4, 1, 32768, 128, torch.bfloat16, clip=False, seed=11)
     gen = torch.Generator().manual_seed(12)
     queries = [torch.randn(1, 28, 1, 128, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(50)]
@@ -164,6 +166,24 @@ def test_fused_merge_under_concurrency_on_a_gpu():
     fused = [weighted_decode.weighted_decode_attention(q, k, v, w, fused_merge=True, **kwargs) for q in queries]
     for one, expected in zip(fused, two, strict=True):
         torch.testing.assert_close(one.float(), expected.float(), rtol=1e-5, atol=TOL[torch.bfloat16] / 8)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "fused_merge"])
+def test_cached_launch_equals_tritons_launch(monkeypatch, fused):
+    """``CACHED_LAUNCH``: the same outputs, bit for bit, as Triton's own launches, call after call, while the inputs
+    change what a compiled kernel is specialized on: the cache length's residue mod 16, a query view 2 bytes past
+    a 16-byte boundary whose row stride 16 does not divide, float16 against float32. Each setting is called twice
+    (the second launch goes through the kept kernel). Compiled on a GPU; the interpreter passes through."""
+    monkeypatch.setattr(weighted_decode, "FUSED_MERGE", fused)
+    for dtype, n, offset in ((torch.float16, 320, 0), (torch.float16, 327, 1), (torch.float32, 336, 1)):
+        q, k, v, w, bounds = make_inputs(1, 8, 2, 1, n, 32, dtype, clip=True, seed=n)
+        q = torch.cat([torch.randn_like(q[..., :1]), q], dim=-1)[..., offset : offset + 32] if offset else q
+        kwargs = dict(scaling=32**-0.5, causal_offset=n - 1, num_splits=3, **bounds)
+        for _ in range(2):
+            monkeypatch.setattr(weighted_decode, "CACHED_LAUNCH", False)
+            expected = weighted_decode.weighted_decode_attention(q, k, v, w, **kwargs)
+            monkeypatch.setattr(weighted_decode, "CACHED_LAUNCH", True)
+            assert torch.equal(weighted_decode.weighted_decode_attention(q, k, v, w, **kwargs), expected)
 
 
 def test_many_rows_strided_cache_and_odd_dims():

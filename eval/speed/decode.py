@@ -176,12 +176,21 @@ def _weighted_kernels_skipped() -> AbstractContextManager:
     return mock.patch.multiple(weighted_decode, **skipped)
 
 
+# ``weighted_decode``'s launch options, off by default until a GPU measures them: name -> module attributes set
+LAUNCH_SWITCHES = {
+    "fused": dict(FUSED_MERGE=True),
+    "cached": dict(CACHED_LAUNCH=True),
+    "cached_fused": dict(FUSED_MERGE=True, CACHED_LAUNCH=True),
+}
+
+
 def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, notes: Notes) -> list[dict[str, Any]]:
     """One layer's attention call of a decode step on ``cache`` (after its decode steps): from Python, and replayed
     in a CUDA graph (CUDA only). ``host_s``: wall time per call issued back to back (the same rows every call, so
     the clip range folds in no new row); for ``ours/eager`` on CUDA also ``host_python_s``, the same with the Triton
-    launches skipped (the rest of ``host_s`` is Triton's launcher), and ``python_fused_s`` / ``host_fused_s``, the
-    call with the splits merged in the split kernel (one launch instead of two)."""
+    launches skipped (the rest of ``host_s`` is Triton's launcher), and ``python_NAME_s`` / ``host_NAME_s`` for each
+    of ``LAUNCH_SWITCHES``: the splits merged in the split kernel (one launch instead of two), the launches without
+    Triton's per-call binding, and both."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     module = model.model.layers[cfg.attention_layer].self_attn
@@ -213,10 +222,10 @@ def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, 
 
             with _weighted_kernels_skipped():  # the same calls with the Triton launches skipped
                 row["host_python_s"] = host_seconds()
-            # the same calls in one launch: the splits merged by the last one
-            with mock.patch.object(weighted_decode, "FUSED_MERGE", True):
-                row["python_fused_s"] = stats(clock.times(call, cfg.warmup, cfg.repeats))["median_s"]
-                row["host_fused_s"] = host_seconds()
+            for name, switches in LAUNCH_SWITCHES.items():  # the same calls with each launch option on
+                with mock.patch.multiple(weighted_decode, **switches):
+                    row[f"python_{name}_s"] = stats(clock.times(call, cfg.warmup, cfg.repeats))["median_s"]
+                    row[f"host_{name}_s"] = host_seconds()
         if clock.cuda:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -322,7 +331,8 @@ def format_decode(section: dict[str, Any]) -> str:
     ]  # fmt: skip
     calls = [
         [r["variant"], r["context"], r["batch"], r["rows"], us(r.get("python_s")), us(r.get("host_s")),
-         us(r.get("host_python_s")), us(r.get("python_fused_s")), us(r.get("host_fused_s")),
+         us(r.get("host_python_s")), *[us(r.get(f"{kind}_{name}_s")) for name in LAUNCH_SWITCHES
+                                        for kind in ("python", "host")],
          us(r.get("cuda_graph_s")), r.get("error", "")]
         for r in section["attention"]
     ]  # fmt: skip
@@ -348,7 +358,8 @@ def format_decode(section: dict[str, Any]) -> str:
                 "\n[decode] one layer's attention call (us): from Python (device time per call, and host time per call"
                 " issued back to back), and replayed in a CUDA graph",
                 ["variant", "context", "batch", "rows", "python us", "host us", "host us without launches",
-                 "python us fused merge", "host us fused merge", "cuda graph us", "error"],
+                 "python us fused merge", "host us fused merge", "python us cached launch", "host us cached launch",
+                 "python us both", "host us both", "cuda graph us", "error"],
                 calls,
             ),
             table(

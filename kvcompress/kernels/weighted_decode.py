@@ -21,7 +21,8 @@ K/V once per extra row block). The rest is small for decode: the queries, the ou
 partials (``splits * rows * (d_v + 2)`` floats written by stage 1 and read by stage 2, which merges the
 splits with log-sum-exp rescaling and applies Alg. 3's ``den <= 0 -> 0`` and the clip). With a single
 split, stage 1 writes the output itself (one launch); with ``FUSED_MERGE``, the last program of each row block to
-finish its split does stage 2's work for that block (one launch, counted in per-block int32 counters).
+finish its split does stage 2's work for that block (one launch, counted in per-block int32 counters). With
+``CACHED_LAUNCH``, both kernels launch without Triton's per-call argument binding (:mod:`.cached_launch`).
 
 Set ``TRITON_INTERPRET=1`` before importing this module to run it on CPU tensors (tests).
 """
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.cached_launch import launch
 from kvcompress.kernels.launch import (  # noqa: F401  (the tiling constants and heuristic, re-exported)
     DEFAULT_SM_COUNT,
     MAX_BLOCK_ROWS,
@@ -56,6 +58,9 @@ MAX_NEW_TOKENS = 16  # m: one decode step, or a short chunk of new tokens (specu
 # The split partials merged by the last split's program instead of a second launch (``fused_merge``): off until a
 # GPU measures it (its host saving, and its cross-program ordering compiled: the interpreter runs programs in turn).
 FUSED_MERGE = False
+# Launches through kvcompress.kernels.cached_launch (the compiled kernel kept per specialization, no per-call binding
+# by Triton): off until a GPU measures its host saving and runs the kernel tests through it compiled.
+CACHED_LAUNCH = False
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
@@ -382,20 +387,18 @@ def weighted_decode_attention(
     )  # fmt: skip
     if num_warps is not None:
         split_options = {**split_options, "num_warps": num_warps}
-    _weighted_split_kernel[plan.grid](
+    split_args = (
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
         locks if fused else dummy_mask,
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
         scaling * LOG2E,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
-        **split_options,
     )  # fmt: skip
+    launch(_weighted_split_kernel, plan.grid, split_args, split_options, cached=CACHED_LAUNCH)
     if not final and not fused:
-        _weighted_decode_reduce_kernel[(batch * heads_kv * plan.rows,)](
-            mpart, dpart, npart, lo_t, hi_t, out,
-            heads_kv, plan.rows, plan.num_splits,
-            *lo_t.stride(), *hi_t.stride(),
-            **reduce_options,
-        )  # fmt: skip
+        reduce_args = (mpart, dpart, npart, lo_t, hi_t, out, heads_kv, plan.rows, plan.num_splits,
+                       *lo_t.stride(), *hi_t.stride())  # fmt: skip
+        launch(_weighted_decode_reduce_kernel, (batch * heads_kv * plan.rows,), reduce_args, reduce_options,
+               cached=CACHED_LAUNCH)  # fmt: skip
     return out
