@@ -6,12 +6,14 @@
 #
 #   OUT=$OUT/g DEADLINE_S=540 bash scripts/gpu_session.sh
 #
-# STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below but lse_prefill, in that
-# order; the seventeenth session ran all but prefill_8192, bench_fit and speed_kernels, with 4 decode layers; the
-# eighteenth changed the fit and its second kernel (block_sums), so the compiled kernel tests come first; the
-# nineteenth gave the default's fit its window rows from the prefill: prefill_32768 and bench_fit_known show it;
-# the twentieth added default_overlap and balanced_overlap, the selection and fit on a side stream, and its tests;
-# the twenty-first the decode kernels' cached launch: kernel_tests run it compiled, decode_* time it);
+# STEPS="prefill_32768 kernel_tests ..." runs only the steps named (default: the ones below but lse_prefill); steps
+# run in the order below, whatever STEPS's order. The seventeenth session ran all but prefill_8192, bench_fit and
+# speed_kernels, with 4 decode layers; the eighteenth changed the fit and its second kernel (block_sums), so the
+# compiled kernel tests come first; the nineteenth gave the default's fit its window rows from the prefill; the
+# twentieth added default_overlap and balanced_overlap (the selection and fit on a side stream) and the fused merge;
+# the twenty-first the decode kernels' cached launch, and moved the decode steps up: in one 540 s call the kernel
+# tests, the 32k breakdown and the decode steps decide every switch that waits for a GPU (overlap_compression,
+# FUSED_MERGE, CACHED_LAUNCH) before the deadline cuts the rest.
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
@@ -20,18 +22,18 @@
 #                   with its log-sum-exp (`python -m eval.probe_flash_lse --context 0`; the induction prior's path)
 #   prefill_32768   the prefill breakdown at 32k, every setting of README's table that has one (issue 20's goals:
 #                   the default <= 1.3x no press, the "thorough" point <= 2.2x, peak <= SnapKV's + 5%, the fit <= 5%)
-#   prefill_65536   the same at 64k (the default, balanced(): peak and cost where the quadratic parts grow)
-#   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal),
-#                   and its two kernels alone with other tiles (`--kernel-tiles`: TFLOP/s, agreement)
-#   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
-#                   prefill (`--known-rows`: one kernel, not two), with its top CUDA operators
-#   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
-#                   ran while the main stream was busy too (`eval.probe_overlap`)
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (its host time also
 #                   without the Triton launches, with the merge fused into one launch, with the cached launch and
 #                   with both; DECODE_LAYERS of the model's 28 layers, default 4: inductor compiles three graphs per
-#                   batch size; DECODE_CONTEXTS
-#                   and DECODE_BATCHES, default "32768" and "1 8", set which decode_CONTEXT_bBATCH steps run)
+#                   batch size; DECODE_CONTEXTS and DECODE_BATCHES, default "32768" and "1 8", set which
+#                   decode_CONTEXT_bBATCH steps run)
+#   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
+#                   ran while the main stream was busy too (`eval.probe_overlap`)
+#   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
+#                   prefill (`--known-rows`: one kernel, not two), with its top CUDA operators
+#   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal),
+#                   and its two kernels alone with other tiles (`--kernel-tiles`: TFLOP/s, agreement)
+#   prefill_65536   the prefill breakdown at 64k (the default, balanced(): peak and cost where the quadratic parts grow)
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
 #                   37-40 ms (4 layers, the seventeenth session) are cuDNN building a plan per new key length
 #   speed_kernels   copy bandwidth, compress_kv's and the weighted decode's rooflines (`--only kernels`)
@@ -55,7 +57,7 @@ SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_overlap balanced balanc
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
-STEPS=${STEPS:-kernel_tests prefill_32768 bench_fit bench_fit_known overlap prefill_65536 $decode_steps \
+STEPS=${STEPS:-kernel_tests prefill_32768 $decode_steps overlap bench_fit_known bench_fit prefill_65536 \
 decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
@@ -111,23 +113,6 @@ step prefill_32768 240 $PY -m eval.speed --only prefill --breakdown-lengths 3276
 grep -A14 "breakdown per setting" "$OUT/prefill_32768.log" 2>/dev/null
 grep -A4 "attention mass of one layer" "$OUT/prefill_32768.log" 2>/dev/null
 
-step bench_fit 150 $PY -m eval.bench_fit --contexts 32768 --queries 320 64 --backends torch triton --profile \
-    --kernel-tiles --output "$OUT/bench_fit.json"
-head -5 "$OUT/bench_fit.log" 2>/dev/null
-grep -A14 "TFLOP/s" "$OUT/bench_fit.log" 2>/dev/null
-
-step bench_fit_known 60 $PY -m eval.bench_fit --contexts 32768 --queries 64 --backends triton --known-rows --profile \
-    --output "$OUT/bench_fit_known.json"
-head -3 "$OUT/bench_fit_known.log" 2>/dev/null
-
-step overlap 90 $PY -m eval.probe_overlap --output "$OUT/overlap.json"
-tail -16 "$OUT/overlap.log" 2>/dev/null
-
-# shellcheck disable=SC2086
-step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
-    --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
-grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
-
 for context in $DECODE_CONTEXTS; do
     for batch in $DECODE_BATCHES; do
         step "decode_${context}_b$batch" 110 $PY -m eval.speed --only decode --decode-contexts "$context" \
@@ -135,6 +120,24 @@ for context in $DECODE_CONTEXTS; do
         grep -A30 "greedy decode step" "$OUT/decode_${context}_b$batch.log" 2>/dev/null
     done
 done
+
+step overlap 90 $PY -m eval.probe_overlap --output "$OUT/overlap.json"
+tail -16 "$OUT/overlap.log" 2>/dev/null
+
+step bench_fit_known 60 $PY -m eval.bench_fit --contexts 32768 --queries 64 --backends triton --known-rows --profile \
+    --output "$OUT/bench_fit_known.json"
+head -3 "$OUT/bench_fit_known.log" 2>/dev/null
+
+step bench_fit 150 $PY -m eval.bench_fit --contexts 32768 --queries 320 64 --backends torch triton --profile \
+    --kernel-tiles --output "$OUT/bench_fit.json"
+head -5 "$OUT/bench_fit.log" 2>/dev/null
+grep -A14 "TFLOP/s" "$OUT/bench_fit.log" 2>/dev/null
+
+# shellcheck disable=SC2086
+step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
+    --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
+grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
+
 step decode_nocudnn 110 $PY -m eval.speed --only decode --decode-contexts 32768 --decode-batch-sizes 1 \
     --model-layers "$DECODE_LAYERS" --no-cudnn-sdpa --output "$OUT/decode_nocudnn.json"
 grep -A9 "greedy decode step" "$OUT/decode_nocudnn.log" 2>/dev/null
