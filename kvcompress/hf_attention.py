@@ -238,11 +238,13 @@ def kvcompress_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query ``[b, h_q, q, d]``, key/value ``[b, h_kv, n, d]``.
+    """transformers attention function: query ``[b, h_q, q, d]``, key/value ``[b, h_kv, n, d]``; the stock functions'
+    parameter order (``dropout`` sixth: kvpress's attention patch, which wraps every registered function when
+    kvpress is imported, passes it by position).
 
     Returns ``([b, q, h_q, d], None)`` like the stock functions. On a compressed layer the new tokens
     are the last ``q`` rows, causal among themselves; they see every earlier real row: filler rows of the

@@ -118,6 +118,27 @@ def _capture_attention_calls():
     return calls, lambda: AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
 
 
+def test_the_attention_works_under_kvpress_attention_patch():
+    """kvpress wraps every registered attention function when it is imported, and its wrapper passes ``dropout`` by
+    position, sixth: a kvcompress function registered before kvpress's import must take it there (it once took
+    ``scaling`` sixth and failed with "got multiple values for argument 'scaling'")."""
+    from kvpress.attention_patch import attention_patch
+
+    model = tiny_model("llama")
+    cache = DynamicCache()
+    with torch.no_grad(), CompressKVPress(compression_ratio=0.5, seed=3)(model):
+        model.model(input_ids=tokens(CONTEXT, 1), past_key_values=cache)
+    question = tokens(QUESTION, 2)
+    with torch.no_grad():
+        expected = model(question, past_key_values=copy.deepcopy(cache)).logits
+        AttentionInterface.register(ATTENTION_NAME, attention_patch(kvcompress_attention))
+        try:
+            got = model(question, past_key_values=cache).logits
+        finally:
+            AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_model_attention_equals_weighted_attention_on_the_same_tensors():
     model = tiny_model("qwen2")
     context, question = tokens(CONTEXT, 1), tokens(QUESTION, 2)
