@@ -135,6 +135,59 @@ def test_decode_batch_rows_are_masked_not_read():
     torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
 
 
+@torch.no_grad()
+def test_a_step_copies_to_the_device_once_and_a_failed_step_leaves_the_batch_as_it_was(monkeypatch):
+    """Every layer shares one RowCounts, so a step builds one tensor from host lists (tokens, positions and cache
+    position together; a per-layer copy would wait for the layers queued before it on a GPU). A forward that fails
+    in its second layer, after the first layer wrote its row, leaves the counts as they were: the step run again
+    gives, bit for bit, the logits of a batch that never failed, and the next step too."""
+    import sys
+
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve import batch as batch_module
+    from kvcompress.serve.batch import build, decode_step, session_rows
+
+    model = tiny_model("llama", dtype=torch.float64, seed=2)
+    press = make_press("compresskv_paper", 0.75, 0)
+    use_weighted_attention(model)
+    sessions = _sessions(model, press, [(260, 4, True), (330, 4, True)], seed=5)
+    sources = [session_rows(c) for _, _, c in sessions]
+    reference, failing = build(None, [], sources, 200), build(None, [], sources, 200)
+    assert len(failing.row_counts()) == 1 and len(failing.layers) > 1
+    made_here, real_tensor = [], torch.tensor
+
+    def counting_tensor(*args, **kwargs):
+        if sys._getframe(1).f_code.co_filename == batch_module.__file__:
+            made_here.append(args[0])
+        return real_tensor(*args, **kwargs)
+
+    tokens, positions = [5, 7], [264, 334]
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    expected = [decode_step(model, reference, tokens, positions)]
+    assert len(made_here) == 1
+    expected.append(decode_step(model, reference, [9, 11], [265, 335]))
+    monkeypatch.setattr(torch, "tensor", real_tensor)
+
+    second = model.model.layers[1]
+    real_forward = second.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("layer 1 failed")
+
+    monkeypatch.setattr(second, "forward", broken)
+    before = list(failing.layers[0].lengths)
+    with pytest.raises(RuntimeError, match="layer 1 failed"):
+        decode_step(model, failing, tokens, positions)
+    assert failing.layers[0].lengths == before and all(c.width == 0 for c in failing.row_counts())
+    monkeypatch.setattr(second, "forward", real_forward)
+    got = [decode_step(model, failing, tokens, positions), decode_step(model, failing, [9, 11], [265, 335])]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="decode_step"):
+        failing.layers[0].update(torch.randn(2, 1, 1, 16, dtype=torch.float64), torch.randn(2, 1, 1, 16))
+
+
 # -- a real server: continuous batching against each request alone ----------------------------------------------
 ROW_BYTES = 30 * 3 * (2 * 64 * 4 + 4)  # one decode-batch row of SmolLM2-135M in float32: K, V, weight per KV head
 BUDGET = 2150 * ROW_BYTES  # ~100 MB: 8 sessions of ~110 rows plus their 8 stored contexts fit; 3 of ~740 rows do not

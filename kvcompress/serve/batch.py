@@ -13,10 +13,13 @@ needs (``n + question + generated``) is not the row index; the step passes expli
 4D mask, so transformers derives neither from the cache.
 
 A step appends one row per session in place (``index_put`` at each row's own length) and attends over the first
-``max(lengths) + 1`` rows. The capacity ``C`` is reserved up front for every session's whole answer (question +
-``max_tokens``), so a step never reallocates; the batch is rebuilt only when a session joins or leaves. A static
-cache for compiled decoding fits the same contract: fixed ``[B_bucket, h, C, d]`` buffers, a lengths tensor, the
-write at ``lengths`` and the mask ``arange(C) < lengths + 1``; only :class:`BatchLayer` changes.
+``max(lengths) + 1`` rows. The rows held per batch row live in one :class:`RowCounts` shared by the layers, on the
+host and on the device, advanced once per step: the step's only host-to-device copy is made before its first kernel
+(a blocking copy in each layer would wait for the layers queued before it). The capacity ``C`` is reserved up front
+for every session's whole answer (question + ``max_tokens``), so a step never reallocates; the batch is rebuilt
+only when a session joins or leaves. A static cache for compiled decoding fits the same contract: fixed
+``[B_bucket, h, C, d]`` buffers, a lengths tensor, the write at ``lengths`` and the mask ``arange(C) < lengths + 1``;
+only :class:`BatchLayer` changes.
 """
 
 from __future__ import annotations
@@ -65,48 +68,74 @@ def session_rows(cache: Cache) -> list[RowSource]:
     return out
 
 
+class RowCounts:
+    """Rows held per batch row, shared by every layer that holds the same counts (usually all): a host list (shapes
+    are decided on the host) and its device copy, advanced together once per step. A layer that copied its counts
+    to the device itself would wait, at each layer, for every kernel queued before it (a blocking host-to-device
+    copy): the host could no longer run ahead of the GPU."""
+
+    def __init__(self, lengths: list[int], device: torch.device):
+        self.host = list(lengths)
+        self.tensor = torch.tensor(lengths, device=device)  # [B] int64, copied once per batch build
+        self.batch_index = torch.arange(len(lengths), device=device)
+        self.width = 0  # rows attended in the open step (0: no step open)
+        self.mask: torch.Tensor | None = None  # [B, width] bool, None when every batch row holds as many rows
+
+    def begin_step(self) -> None:
+        self.width = max(self.host) + 1
+        short = min(self.host) + 1 < self.width
+        self.mask = torch.arange(self.width, device=self.tensor.device) <= self.tensor[:, None] if short else None
+
+    def end_step(self, appended: bool = True) -> None:
+        """Close the step; ``appended``: every layer wrote its row (False after a failed forward: the rows written
+        stay past the counts, unused and masked, as before the step)."""
+        if appended:
+            self.host = [n + 1 for n in self.host]
+            self.tensor += 1
+        self.width, self.mask = 0, None
+
+
 class BatchLayer(DynamicLayer):
     """One layer of the decode batch (see the module docstring); tagged so the kvcompress attention runs weighted
     attention over it with :meth:`key_mask`, :meth:`weights_for` and :meth:`value_range`."""
 
     is_sliding = False
 
-    def __init__(self, keys, values, weights, v_min, v_max, lengths: list[int]):
+    def __init__(self, keys, values, weights, v_min, v_max, counts: RowCounts):
         super().__init__()
         self.dtype, self.device = keys.dtype, keys.device
         self.keys, self.values, self.weights = keys, values, weights
         self.value_min, self.value_max = v_min, v_max
-        self.lengths = list(lengths)  # rows held per batch row (host copy: shapes are decided on the host)
+        self.counts = counts
         self.is_initialized = True
-        self._mask: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        """Rows held per batch row (before the open step's row)."""
+        return self.counts.host
 
     def update(self, key_states, value_states, cache_kwargs=None):
+        counts = self.counts
         batch, _, new, _ = key_states.shape
-        if new != 1 or batch != len(self.lengths):
-            raise ValueError(f"key_states: a decode step appends one row per session ([{len(self.lengths)}, h, 1, d]), "
+        if new != 1 or batch != len(counts.host):
+            raise ValueError(f"key_states: a decode step appends one row per session ([{len(counts.host)}, h, 1, d]), "
                              f"got {tuple(key_states.shape)}")
-        where = torch.tensor(self.lengths, device=self.device)
-        rows = torch.arange(batch, device=self.device)
-        self.keys[rows, :, where] = key_states[:, :, 0]
-        self.values[rows, :, where] = value_states[:, :, 0]
-        self.weights[rows, :, where] = 1.0
+        if not counts.width:
+            raise RuntimeError("kvcompress: a decode batch advances one step at a time: run it through decode_step")
+        where = counts.tensor
+        self.keys[counts.batch_index, :, where] = key_states[:, :, 0]
+        self.values[counts.batch_index, :, where] = value_states[:, :, 0]
+        self.weights[counts.batch_index, :, where] = 1.0
         fresh = value_states[:, :, 0].to(self.value_min.dtype)
         self.value_min = torch.minimum(self.value_min, fresh)
         self.value_max = torch.maximum(self.value_max, fresh)
-        width = max(self.lengths) + 1
-        short = [n + 1 < width for n in self.lengths]
-        self._mask = None
-        if any(short):
-            visible = torch.tensor([n + 1 for n in self.lengths], device=self.device)
-            self._mask = torch.arange(width, device=self.device)[None, :] < visible[:, None]
-        self.lengths = [n + 1 for n in self.lengths]
-        keys, values = self.keys[:, :, :width], self.values[:, :, :width]
+        keys, values = self.keys[:, :, : counts.width], self.values[:, :, : counts.width]
         tag_layer(keys, self)
         return keys, values
 
     def key_mask(self, rows: int, attention_mask=None) -> torch.Tensor | None:
         """``[B, rows]`` bool: each batch row's own rows (None when every row is that long)."""
-        return self._mask
+        return self.counts.mask
 
     def weights_for(self, rows: int) -> torch.Tensor:
         return self.weights[:, :, :rows]
@@ -115,7 +144,7 @@ class BatchLayer(DynamicLayer):
         return self.value_min, self.value_max
 
     def get_seq_length(self) -> int:
-        return max(self.lengths, default=0)
+        return max(self.counts.host, default=0)
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return self.get_seq_length() + cache_position.shape[0], 0
@@ -142,6 +171,10 @@ class DecodeBatch(Cache):
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self.layers[layer_idx or 0].get_seq_length() if self.layers else 0
 
+    def row_counts(self) -> list[RowCounts]:
+        """The distinct row counts of the layers (one unless layers hold different numbers of rows)."""
+        return list({id(layer.counts): layer.counts for layer in self.layers}.values())
+
 
 def row_bytes(cache: Cache) -> int:
     """Bytes one more row costs in a decode batch built from sessions like ``cache`` (all layers: K, V, weight)."""
@@ -162,7 +195,9 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
     :class:`RowSource` per layer), every row with room for ``capacity`` rows. None when no session is left."""
     if not keep and not new:
         return None
-    layers = []
+    layers: list[BatchLayer] = []
+    shared: dict[tuple[int, ...], RowCounts] = {}  # one RowCounts per distinct lengths
+    index = None  # rows of ``kept`` to keep, on its device
     count = (len(kept.layers) if kept is not None else len(new[0]))
     for i in range(count):
         old = kept.layers[i] if kept is not None and keep else None
@@ -179,7 +214,8 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
         v_max = torch.empty_like(v_min)
         lengths = []
         if old is not None:
-            index = torch.tensor(keep, device=keys.device)
+            if index is None:  # the same rows of every layer: one host-to-device copy (a sync), not one a layer
+                index = torch.tensor(keep, device=keys.device)
             span = min(old.keys.shape[-2], capacity)
             keys[: len(keep), :, :span] = old.keys.index_select(0, index)[:, :, :span]
             values[: len(keep), :, :span] = old.values.index_select(0, index)[:, :, :span]
@@ -193,25 +229,38 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
             keys[j, :, :n], values[j, :, :n], weights[j, :, :n] = src.keys[0], src.values[0], src.weights[0]
             v_min[j], v_max[j] = src.v_min[0], src.v_max[0]
             lengths.append(n)
-        layers.append(BatchLayer(keys, values, weights, v_min, v_max, lengths))
+        counts = shared.get(tuple(lengths)) or shared.setdefault(tuple(lengths), RowCounts(lengths, keys.device))
+        layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts))
     return DecodeBatch(layers)
 
 
 def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[int]) -> torch.Tensor:
     """One decode step of every session: ``tokens[b]`` at token position ``positions[b]``; logits ``[B, vocab]``
-    (the model's dtype). Appends one row per session to ``batch``."""
+    (the model's dtype). Appends one row per session to ``batch``. One host-to-device copy (the step's tokens,
+    positions and cache position), made before any kernel of the step is queued."""
     device = batch.layers[0].device
-    width = batch.get_seq_length() + 1
-    mask = torch.zeros(len(tokens), 1, 1, width, dtype=torch.bool, device=device)
-    for b, n in enumerate(batch.layers[0].lengths):  # what an sdpa-only layer would need; weighted layers use theirs
-        mask[b, 0, 0, : n + 1] = True
-    out = model(
-        input_ids=torch.tensor(tokens, device=device)[:, None],
-        position_ids=torch.tensor(positions, device=device)[:, None],
-        past_key_values=batch,
-        attention_mask=mask,
-        cache_position=torch.tensor([width - 1], device=device),
-        logits_to_keep=1,
-        use_cache=True,
-    )
+    counts = batch.row_counts()
+    for each in counts:
+        each.begin_step()
+    first = batch.layers[0].counts
+    width, size = first.width, len(tokens)
+    step = torch.tensor([*tokens, *positions, width - 1], device=device)
+    # what an sdpa-only layer would need (weighted layers use their key_mask): batch row b sees its rows 0..n_b
+    mask = (torch.arange(width, device=device) <= first.tensor[:, None])[:, None, None, :]
+    try:
+        out = model(
+            input_ids=step[:size, None],
+            position_ids=step[size : 2 * size, None],
+            past_key_values=batch,
+            attention_mask=mask,
+            cache_position=step[2 * size :],
+            logits_to_keep=1,
+            use_cache=True,
+        )
+    except BaseException:
+        for each in counts:
+            each.end_step(appended=False)
+        raise
+    for each in counts:
+        each.end_step()
     return out.logits[:, -1]
