@@ -229,7 +229,9 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
             keys[j, :, :n], values[j, :, :n], weights[j, :, :n] = src.keys[0], src.values[0], src.weights[0]
             v_min[j], v_max[j] = src.v_min[0], src.v_max[0]
             lengths.append(n)
-        counts = shared.get(tuple(lengths)) or shared.setdefault(tuple(lengths), RowCounts(lengths, keys.device))
+        counts = shared.get(tuple(lengths))
+        if counts is None:
+            counts = shared[tuple(lengths)] = RowCounts(lengths, keys.device)
         layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts))
     return DecodeBatch(layers)
 
