@@ -75,6 +75,7 @@ def test_smoke_run_writes_every_section(tmp_path: Path, capsys: pytest.CaptureFi
     calls = data["decode"]["attention"]
     assert {r["variant"] for r in calls} == set(speed.decode.ATTENTION_VARIANTS)
     assert all(positive(r["python_s"]) and positive(r["host_s"]) and r["cuda_graph_s"] is None for r in calls)
+    assert all(positive(r["host_step_s"]) for r in calls if r["variant"] == "ours/eager")
     for goal in data["decode"]["goals"]:
         assert goal["compiled_vs_floor"] and goal["speedup_vs_full"] and goal["ours_attention_host_us"], goal
 
@@ -155,3 +156,28 @@ def test_skipped_weighted_kernels_launch_nothing_and_come_back() -> None:
     assert (weighted_decode._weighted_split_kernel, weighted_decode._weighted_decode_reduce_kernel) == kernels
     real = weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25, num_splits=2)
     assert torch.isfinite(real).all()
+
+
+def test_folding_one_row_makes_every_call_fold_a_row_into_the_clip_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``host_step_s``'s calls (eval.speed.decode): each call folds the layer's last row into its clip range (one
+    ``aminmax``, as a decode step's first attention call does), and the range stays the true one over every row."""
+    import torch
+
+    from eval.speed.decode import _folding_one_row
+    from kvcompress.cache import WeightedLayer
+
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+    low, high = values.amin(-2) - torch.rand(1, 2, 16, generator=g), values.amax(-2)  # the context's wider range
+    layer = WeightedLayer(keys, values, torch.rand(1, 2, 12, generator=g) + 0.5, low, high, tokens=40)
+    keys, values = layer.update(torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g) * 3)
+    layer.value_range(values)
+    folds = []
+    real_aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: folds.append(a[0].shape[-2]) or real_aminmax(*a, **k))
+    step = _folding_one_row(layer, lambda: layer.value_range(values))
+    for _ in range(3):
+        got_low, got_high = step()
+    assert folds == [1, 1, 1]
+    torch.testing.assert_close(got_low, torch.minimum(low, values[:, :, 12:].amin(-2)), rtol=0, atol=0)
+    torch.testing.assert_close(got_high, torch.maximum(high, values[:, :, 12:].amax(-2)), rtol=0, atol=0)

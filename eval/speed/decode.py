@@ -184,13 +184,27 @@ LAUNCH_SWITCHES = {
 }
 
 
+def _folding_one_row(layer: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with the layer's clip range set one row back first (a WeightedLayer's ``_range``: low, high, rows
+    covered), so that each call folds one row in, as the first attention call of a decode step does. The range
+    already holds that row, so its values do not change."""
+    low, high, covered = layer._range
+
+    def step() -> Any:
+        layer._range = (low, high, covered - 1)
+        return call()
+
+    return step
+
+
 def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, notes: Notes) -> list[dict[str, Any]]:
     """One layer's attention call of a decode step on ``cache`` (after its decode steps): from Python, and replayed
     in a CUDA graph (CUDA only). ``host_s``: wall time per call issued back to back (the same rows every call, so
-    the clip range folds in no new row); for ``ours/eager`` on CUDA also ``host_python_s``, the same with the Triton
-    launches skipped (the rest of ``host_s`` is Triton's launcher), and ``python_NAME_s`` / ``host_NAME_s`` for each
-    of ``LAUNCH_SWITCHES``: the splits merged in the split kernel (one launch instead of two), the launches without
-    Triton's per-call binding, and both."""
+    the clip range folds in no new row); for ``ours/eager`` also ``host_step_s``, the same with the clip range
+    folding in one row per call as a decode step's does (its 3 launches); on CUDA also ``host_python_s``, the same
+    with the Triton launches skipped (the rest of ``host_s`` is Triton's launcher), and ``python_NAME_s`` /
+    ``host_NAME_s`` for each of ``LAUNCH_SWITCHES``: the splits merged in the split kernel (one launch instead of
+    two), the launches without Triton's per-call binding, and both."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     module = model.model.layers[cfg.attention_layer].self_attn
@@ -203,12 +217,12 @@ def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, 
     def call() -> Any:
         return attention(module, query, keys, values, None, dropout=0.0, scaling=module.scaling)[0]
 
-    def host_seconds() -> float:
+    def host_seconds(fn: Callable[[], Any] = call) -> float:
         """Seconds per call issued back to back, no sync: the host's cost per call while the GPU queue runs."""
         clock.sync()
         start = time.perf_counter()
         for _ in range(cfg.repeats):
-            call()
+            fn()
         seconds = (time.perf_counter() - start) / cfg.repeats
         clock.sync()
         return seconds
@@ -217,6 +231,8 @@ def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, 
     try:
         row["python_s"] = stats(clock.times(call, cfg.warmup, cfg.repeats))["median_s"]
         row["host_s"] = host_seconds()
+        if variant == "ours/eager":
+            row["host_step_s"] = host_seconds(_folding_one_row(layer, call))
         if variant == "ours/eager" and clock.cuda:
             from kvcompress.kernels import weighted_decode
 
@@ -331,7 +347,8 @@ def format_decode(section: dict[str, Any]) -> str:
     ]  # fmt: skip
     calls = [
         [r["variant"], r["context"], r["batch"], r["rows"], us(r.get("python_s")), us(r.get("host_s")),
-         us(r.get("host_python_s")), *[us(r.get(f"{kind}_{name}_s")) for name in LAUNCH_SWITCHES
+         us(r.get("host_step_s")), us(r.get("host_python_s")),
+         *[us(r.get(f"{kind}_{name}_s")) for name in LAUNCH_SWITCHES
                                         for kind in ("python", "host")],
          us(r.get("cuda_graph_s")), r.get("error", "")]
         for r in section["attention"]
@@ -357,7 +374,8 @@ def format_decode(section: dict[str, Any]) -> str:
             table(
                 "\n[decode] one layer's attention call (us): from Python (device time per call, and host time per call"
                 " issued back to back), and replayed in a CUDA graph",
-                ["variant", "context", "batch", "rows", "python us", "host us", "host us without launches",
+                ["variant", "context", "batch", "rows", "python us", "host us", "host us folding a row",
+                 "host us without launches",
                  "python us fused merge", "host us fused merge", "python us cached launch", "host us cached launch",
                  "python us both", "host us both", "cuda graph us", "error"],
                 calls,
