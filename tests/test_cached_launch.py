@@ -101,9 +101,10 @@ class RecordingJIT(JITFunction):
         self.calls.append(("triton", grid, args, kwargs))
         recorder = self
 
-        class Compiled:
+        class Compiled:  # like triton's CompiledKernel: its launcher reads grid[0], grid[1] and grid[2]
             def __getitem__(self, launch_grid):
-                return lambda *all_args: recorder.calls.append(("compiled", launch_grid, all_args))
+                axes = (launch_grid[0], launch_grid[1], launch_grid[2])
+                return lambda *all_args: recorder.calls.append(("compiled", axes, all_args))
 
         return Compiled()
 
@@ -136,6 +137,18 @@ def test_a_seen_key_launches_the_compiled_kernel_with_tritons_arguments(one_gpu)
     constexprs = {k: v for k, v in options.items() if k not in ("num_warps", "num_stages")}
     bound = binder_of(SPLIT)(*again, **constexprs)[0]
     assert len(passed) == len(bound) and all(x is y for x, y in zip(passed, bound.values(), strict=True))
+
+
+def test_a_one_axis_grid_reaches_the_compiled_launcher_with_three(one_gpu):
+    """The reduce kernel's grid has one axis; Triton's compiled launcher reads three (``kernel[grid]`` pads them)."""
+    rng = random.Random(3)
+    kernel = RecordingJIT(REDUCE)
+    launcher = CachedLaunch(kernel)
+    args = tuple(random_arg(p, rng) for p in REDUCE.params if not p.is_constexpr)
+    options = {**constexpr_options(REDUCE, rng), "num_warps": 2}
+    launcher((12,), args, options)
+    launcher((12,), args, options)
+    assert kernel.calls[-1][:2] == ("compiled", (12, 1, 1))
 
 
 def test_a_new_key_goes_through_triton_again(one_gpu):
