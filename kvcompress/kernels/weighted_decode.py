@@ -79,6 +79,16 @@ def _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN: tl.constexpr, HAS
 
 
 @triton.jit
+def _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, vmin_ptrs, vmax_ptrs, DV: tl.constexpr,
+                    HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr):  # fmt: skip
+    """Rows ``row`` of the output ``[rows, DV]``: :func:`_finish` of fp32 ``acc [BLOCK_R, DV]`` / ``den [BLOCK_R]``,
+    stored in the output's dtype."""
+    out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
+    o_ptrs = out_ptr + row[:, None] * DV + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
+
+
+@triton.jit
 def _attend_tiles(
     acc, den, m_i, q, k_base, v_base, w_base, mask_base, lo, hi, last_key, qk_scale,
     s_kn, s_kd, s_vn, s_vd, s_wn, s_mn, offs_d, offs_dv, d_mask, dv_mask,
@@ -212,12 +222,10 @@ def _weighted_split_kernel(
     )  # fmt: skip
 
     row = bh.to(tl.int64) * ROWS + offs_r  # = output row of [b, h_q, m] (contiguous)
+    vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
+    vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
     if FINAL:
-        vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
-        vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
-        out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
-        o_ptrs = out_ptr + row[:, None] * DV + offs_dv[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
+        _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, vmin_ptrs, vmax_ptrs, DV, HAS_VMIN, HAS_VMAX)
     else:  # partials in the decode kernel's layout, merged by its reduce kernel (or the last split: FUSED_MERGE)
         part = (bh.to(tl.int64) * tl.num_programs(1) + split) * ROWS + offs_r
         tl.store(mpart_ptr + part, m_i, mask=r_mask)
@@ -232,11 +240,8 @@ def _weighted_split_kernel(
             if stored == tl.num_programs(1) - 1:
                 acc, den = _merge_splits(mpart_ptr, dpart_ptr, npart_ptr, bh, offs_r, r_mask, offs_dv, dv_mask,
                                          ROWS, tl.num_programs(1), BLOCK_R, BLOCK_DV, DV)  # fmt: skip
-                vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
-                vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
-                out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
-                o_ptrs = out_ptr + row[:, None] * DV + offs_dv[None, :]
-                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
+                _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, vmin_ptrs, vmax_ptrs, DV, HAS_VMIN,
+                                HAS_VMAX)  # fmt: skip
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
