@@ -84,9 +84,10 @@ class SideStreamCompression:
 
     def _compress_deferred(self, layer_idx: int | None = None) -> None:
         """Compress the layer waiting for it (every waiting layer when ``layer_idx`` is None) on the side stream."""
-        waiting = list(self._deferred) if layer_idx is None else [layer_idx] if layer_idx in self._deferred else []
-        for idx in waiting:
-            self._compress_beside(*self._deferred.pop(idx))
+        for idx in list(self._deferred) if layer_idx is None else [layer_idx]:
+            waiting = self._deferred.pop(idx, None)
+            if waiting is not None:
+                self._compress_beside(*waiting)
 
     def _compress_beside(self, cache, state: dict) -> None:
         """``_compress_layer``, on the side stream with ``overlap_compression`` (the layer's full cache and
