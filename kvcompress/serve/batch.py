@@ -79,12 +79,13 @@ class RowCounts:
         self.tensor = torch.tensor(lengths, device=device)  # [B] int64, copied once per batch build
         self.batch_index = torch.arange(len(lengths), device=device)
         self.width = 0  # rows attended in the open step (0: no step open)
-        self.mask: torch.Tensor | None = None  # [B, width] bool, None when every batch row holds as many rows
+        self.visible: torch.Tensor | None = None  # [B, width] bool: the rows each batch row sees in the open step
+        self.mask: torch.Tensor | None = None  # ``visible``, or None when every batch row holds as many rows
 
     def begin_step(self) -> None:
         self.width = max(self.host) + 1
-        short = min(self.host) + 1 < self.width
-        self.mask = torch.arange(self.width, device=self.tensor.device) <= self.tensor[:, None] if short else None
+        self.visible = torch.arange(self.width, device=self.tensor.device) <= self.tensor[:, None]
+        self.mask = self.visible if min(self.host) + 1 < self.width else None
 
     def end_step(self, appended: bool = True) -> None:
         """Close the step; ``appended``: every layer wrote its row (False after a failed forward: the rows written
@@ -92,7 +93,7 @@ class RowCounts:
         if appended:
             self.host = [n + 1 for n in self.host]
             self.tensor += 1
-        self.width, self.mask = 0, None
+        self.width, self.visible, self.mask = 0, None, None
 
 
 class BatchLayer(DynamicLayer):
@@ -247,14 +248,12 @@ def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[in
     first = batch.layers[0].counts
     width, size = first.width, len(tokens)
     step = torch.tensor([*tokens, *positions, width - 1], device=device)
-    # what an sdpa-only layer would need (weighted layers use their key_mask): batch row b sees its rows 0..n_b
-    mask = (torch.arange(width, device=device) <= first.tensor[:, None])[:, None, None, :]
     try:
         out = model(
             input_ids=step[:size, None],
             position_ids=step[size : 2 * size, None],
             past_key_values=batch,
-            attention_mask=mask,
+            attention_mask=first.visible[:, None, None, :],  # what an sdpa-only layer would need (weighted: key_mask)
             cache_position=step[2 * size :],
             logits_to_keep=1,
             use_cache=True,
