@@ -182,6 +182,7 @@ LAUNCH_SWITCHES = {
     "cached": dict(CACHED_LAUNCH=True),
     "cached_fused": dict(FUSED_MERGE=True, CACHED_LAUNCH=True),
 }
+LAUNCH_LABELS = {"fused": "fused merge", "cached": "cached launch", "cached_fused": "both"}  # the table's columns
 
 
 def _folding_one_row(layer: Any, call: Callable[[], Any]) -> Callable[[], Any]:
@@ -376,8 +377,8 @@ def format_decode(section: dict[str, Any]) -> str:
                 " issued back to back), and replayed in a CUDA graph",
                 ["variant", "context", "batch", "rows", "python us", "host us", "host us folding a row",
                  "host us without launches",
-                 "python us fused merge", "host us fused merge", "python us cached launch", "host us cached launch",
-                 "python us both", "host us both", "cuda graph us", "error"],
+                 *[f"{kind} us {LAUNCH_LABELS[name]}" for name in LAUNCH_SWITCHES for kind in ("python", "host")],
+                 "cuda graph us", "error"],
                 calls,
             ),
             table(
