@@ -2,11 +2,11 @@
 
 ``kernel[grid](*args, **options)`` runs, on every call, a generated binder that derives each argument's
 specialization (a pointer's dtype and 16-byte alignment; an integer equal to 1, divisible by 16, or past int32)
-and turns it into the compiled kernel's cache key: 26 us on the host for the 44 arguments of the decode split kernel
+and turns it into the compiled kernel's cache key: 27 us on the host for the 44 arguments of the decode split kernel
 (a 2.5 GHz Xeon, a CUDA sm_90 target's binder; ``results/frontier/patches/launch_host_probe.py``). The decode step
 pays it once per layer, where the kernel itself runs 15-50 us.
 
-:class:`CachedLaunch` reads the same facts directly (12.5 us for those 44 arguments), keeps the compiled kernel Triton
+:class:`CachedLaunch` reads the same facts directly (13 us for those 44 arguments), keeps the compiled kernel Triton
 returned for them, and launches it through ``CompiledKernel[grid]``, Triton's launcher for a compiled kernel (the
 same stream, launch hooks and argument packing as ``kernel[grid]``). The first call with a new key, and every
 call under ``TRITON_INTERPRET=1``, goes through ``kernel[grid]``, which compiles or finds the kernel.
