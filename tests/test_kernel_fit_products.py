@@ -167,7 +167,8 @@ def test_fit_through_the_fused_kernels_matches_the_pytorch_fit(causal, bin_rows,
     options = dict(query_positions=positions, bin_rows=bin_rows, ridge=0.01)
     fused = fitting.fit_kept_rows(*args, **options, backend="triton")
     held = fitting.fit_kept_rows(*args, **options, backend="torch")
-    assert fitting.fit_kept_rows(*args, **options, backend="auto").accepted.equal(held.accepted)
+    # "auto": the kernels on CUDA tensors they can run, the PyTorch path elsewhere.
+    assert (fit_equations.fused_kernels(keys, values, bin_rows, "auto") is not None) == (DEVICE.type == "cuda")
     # The blocks' partials a launch per block (each launch over its own keys, the rows' positions shifted with them)
     # and the right-hand sides summed run by run: the same fit up to the sums' float32 order.
     monkeypatch.setattr(fit_equations, "_CHUNK_ELEMENTS", 100)

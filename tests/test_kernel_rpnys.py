@@ -1,29 +1,28 @@
 """Fused binned RPNys kernel (kvcompress.kernels.rpnys) behind ``compress_kv(backend="triton")`` vs the reference.
 
-Runs on CPU through the Triton interpreter: TRITON_INTERPRET must be set before triton is imported. The
-interpreter costs ~0.2-0.4 s per program (= per bin), so the shapes stay small.
+The kernel runs compiled on CUDA tensors where CUDA is present and in the Triton interpreter on CPU tensors
+elsewhere (tests/triton_mode.py). The interpreter costs ~0.2-0.4 s per program (= per bin), so the shapes stay
+small.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it, CPU interpreter mode)")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton_mode import DEVICE, INTERPRET  # noqa: E402
 
 from kvcompress import compress_kv, nystrom, rng, weighted_attention  # noqa: E402
 from kvcompress.kernels import rpnys as rpnys_kernel  # noqa: E402
 
-if not rpnys_kernel.INTERPRET and not torch.cuda.is_available():
-    pytest.skip("kernel module was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+if rpnys_kernel.INTERPRET != INTERPRET:
+    pytest.skip("kernel module was defined in the other Triton mode (imported too early)", allow_module_level=True)
 
 # Relative agreement (max abs difference / max abs of the reference) of V_S and w in float32: the rank-one updates
 # run in the same order as the reference; only reduction orders differ (measured: ~1e-6).
@@ -48,10 +47,10 @@ def assert_same_compression(ours, ref, dtype=torch.float32):
     assert torch.equal(w_t == 0, w_r == 0)
 
 
-def make_inputs(lead, n, d, d_v, dtype=torch.float32, seed=0):
+def make_inputs(lead, n, d, d_v, dtype=torch.float32, seed=0, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(*lead, n, d, generator=gen) * 1.5 + 0.3).to(dtype)
-    values = torch.randn(*lead, n, d_v, generator=gen).to(dtype)
+    keys = (torch.randn(*lead, n, d, generator=gen) * 1.5 + 0.3).to(device, dtype)
+    values = torch.randn(*lead, n, d_v, generator=gen).to(device, dtype)
     return keys, values
 
 
@@ -69,9 +68,9 @@ def test_uint32_mix32_equals_reference_hash():
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 2**32, (256,), generator=gen, dtype=torch.int64)
     x[:4] = torch.tensor([0, 1, 2**31, 2**32 - 1])
-    out = torch.empty(256, dtype=torch.int32)
-    _mix32_probe[(1,)](torch.where(x >= 2**31, x - 2**32, x).to(torch.int32), out, N=256)
-    assert torch.equal(out.to(torch.int64) % 2**32, rng.mix32(x))
+    out = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    _mix32_probe[(1,)](torch.where(x >= 2**31, x - 2**32, x).to(DEVICE, torch.int32), out, N=256)
+    assert torch.equal(out.cpu().to(torch.int64) % 2**32, rng.mix32(x))
 
 
 # ---------------------------------------------------------------- same pivots, same V_S and w
@@ -104,7 +103,7 @@ def test_triton_matches_torch_half(dtype):
 
 def test_query_radius_and_scaling():
     keys, values = make_inputs((2,), 64, 32, 16, seed=9)
-    kwargs = {"bins": 2, "seed": 123, "scaling": 0.3, "query_radius": torch.tensor([1.0, 6.0])}
+    kwargs = {"bins": 2, "seed": 123, "scaling": 0.3, "query_radius": torch.tensor([1.0, 6.0], device=DEVICE)}
     assert_same_compression(
         compress_kv(keys, values, 16, backend="triton", **kwargs),
         compress_kv(keys, values, 16, backend="torch", **kwargs),
@@ -116,8 +115,8 @@ def test_exhausted_bin_gives_inert_rows_like_reference():
     d, n, bins, bin_rank = 8, 41, 2, 8
     distinct = torch.randn(2, 3, d, generator=gen) * 2
     pick = torch.randint(0, 3, (n,), generator=gen)
-    keys = torch.cat([distinct[0, pick[:21]], distinct[1, pick[21:]]])[None]  # 3 distinct keys per bin
-    values = torch.randn(1, n, d, generator=gen)
+    keys = torch.cat([distinct[0, pick[:21]], distinct[1, pick[21:]]])[None].to(DEVICE)  # 3 distinct keys per bin
+    values = torch.randn(1, n, d, generator=gen).to(DEVICE)
     ours = compress_kv(keys, values, bins * bin_rank, bins=bins, seed=0, backend="triton")
     ref = compress_kv(keys, values, bins * bin_rank, bins=bins, seed=0, backend="torch")
     assert_same_compression(ours, ref)
@@ -133,8 +132,8 @@ def test_float32_overflow_falls_back_like_reference():
     # Keys of norm ~110 in pairs (x, 1.2 x): exp(|y|^2 / 2) leaves float32, the reference redoes it in float64.
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(16, 64, generator=gen) * 14
-    keys = torch.stack([base, base * 1.2], 1).reshape(1, 32, 64)
-    values = torch.randn(1, 32, 16, generator=gen)
+    keys = torch.stack([base, base * 1.2], 1).reshape(1, 32, 64).to(DEVICE)
+    values = torch.randn(1, 32, 16, generator=gen).to(DEVICE)
     ours = compress_kv(keys, values, 16, seed=3, backend="triton")
     ref = compress_kv(keys, values, 16, seed=3, backend="torch")
     assert torch.isfinite(ref[2]).all()
@@ -147,8 +146,8 @@ def test_bins_past_float32s_range_fall_back_like_reference():
     flushes the Gaussian entries to 0. The kernel reports the bin as non-finite, as the float32 reference does, so
     both end in the same float64 computation."""
     gen = torch.Generator().manual_seed(39)
-    keys = torch.exp(1.5 * torch.randn(128, 1, generator=gen)) * torch.randn(128, 16, generator=gen)
-    values = torch.randn(128, 16, generator=gen)
+    keys = (torch.exp(1.5 * torch.randn(128, 1, generator=gen)) * torch.randn(128, 16, generator=gen)).to(DEVICE)
+    values = torch.randn(128, 16, generator=gen).to(DEVICE)
     radius = float(keys.norm(dim=-1).max())
     ours = compress_kv(keys, values, 16, query_radius=radius, seed=0, backend="triton")
     ref = compress_kv(keys, values, 16, query_radius=radius, seed=0, backend="torch")
@@ -164,9 +163,9 @@ def test_attention_error_statistically_equal():
     """Over 20 seeds: the same seed gives the same error; the means over disjoint seeds agree within 3 s.e."""
     gen = torch.Generator().manual_seed(42)
     n, d, rank = 64, 8, 8
-    keys = torch.randn(1, 1, n, d, generator=gen)
-    values = torch.randn(1, 1, n, d, generator=gen)
-    queries = torch.randn(1, 2, 16, d, generator=gen)
+    keys = torch.randn(1, 1, n, d, generator=gen).to(DEVICE)
+    values = torch.randn(1, 1, n, d, generator=gen).to(DEVICE)
+    queries = torch.randn(1, 2, 16, d, generator=gen).to(DEVICE)
     exact = torch.softmax(queries.double() @ keys.double().transpose(-1, -2) / math.sqrt(d), -1) @ values.double()
 
     def error(seed: int, backend: str) -> float:
@@ -213,7 +212,7 @@ def test_triton_refuses_what_it_cannot_run(monkeypatch):
     assert rpnys_kernel.unsupported(long_bins[..., :100, :], long_values[..., :100, :], 1, 4) is None  # 100 x 256
     monkeypatch.setattr(rpnys_kernel, "INTERPRET", False)
     with pytest.raises(ValueError, match="backend.*CUDA"):
-        compress_kv(keys, values, 4, bins=2, seed=0, backend="triton")
+        compress_kv(keys.cpu(), values.cpu(), 4, bins=2, seed=0, backend="triton")
 
 
 def test_auto_is_torch_on_cpu_and_falls_back_outside_the_limits(monkeypatch):
@@ -221,7 +220,7 @@ def test_auto_is_torch_on_cpu_and_falls_back_outside_the_limits(monkeypatch):
         raise AssertionError("auto ran the kernel")
 
     monkeypatch.setattr(rpnys_kernel, "rpnys_compress", no_kernel)
-    keys, values = make_inputs((2,), 300, 8, 8)
+    keys, values = make_inputs((2,), 300, 8, 8, device="cpu")
     for x, y in zip(
         compress_kv(keys, values, 8, bins=2, seed=1),
         compress_kv(keys, values, 8, bins=2, seed=1, backend="torch"),

@@ -1,29 +1,24 @@
 """Triton weighted decode kernel (kvcompress.kernels.weighted_decode) against the PyTorch reference.
 
-Runs on CPU through the Triton interpreter (TRITON_INTERPRET must be set before triton is imported), and
-compiled on CUDA tensors where CUDA is present (``DEVICE``).
+Runs compiled on CUDA tensors where CUDA is present and in the Triton interpreter on CPU tensors elsewhere
+(tests/triton_mode.py: ``DEVICE``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
+import pytest
 import torch
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+from triton_mode import DEVICE, INTERPRET
 
 pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it, CPU interpreter mode)")
 
 from kvcompress import weighted_attention  # noqa: E402
 from kvcompress.kernels import weighted_decode  # noqa: E402
 
-if not weighted_decode.INTERPRET and not torch.cuda.is_available():
-    pytest.skip("kernel module was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+if weighted_decode.INTERPRET != INTERPRET:
+    pytest.skip("kernel module was defined in the other Triton mode (imported too early)", allow_module_level=True)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -150,7 +145,7 @@ def test_fused_merge_equals_the_two_launches_and_float64(dtype, m):
     assert all(not space[3].any() for space in _WORKSPACES.values())  # every counter back to zero
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="programs run concurrently only on a GPU")
 @pytest.mark.parametrize("cached", [False, True], ids=["tritons_launch", "cached_launch"])
 def test_fused_merge_under_concurrency_on_a_gpu(monkeypatch, cached):
     """Qwen2.5-7B's decode shape at 32k rows (4 KV heads, 7 query heads each, about 66 splits of one launch running
@@ -168,12 +163,14 @@ def test_fused_merge_under_concurrency_on_a_gpu(monkeypatch, cached):
         torch.testing.assert_close(one.float(), expected.float(), rtol=1e-5, atol=TOL[torch.bfloat16] / 8)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter launches through Triton either way")
 @pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "fused_merge"])
 def test_cached_launch_equals_tritons_launch(monkeypatch, fused):
     """``CACHED_LAUNCH``: the same outputs, bit for bit, as Triton's own launches, call after call, while the inputs
     change what a compiled kernel is specialized on: the cache length's residue mod 16, a query view 2 bytes past
     a 16-byte boundary whose row stride 16 does not divide, float16 against float32. Each setting is called twice
-    (the second launch goes through the kept kernel). Compiled on a GPU; the interpreter passes through."""
+    (the second launch goes through the kept kernel). Compiled on a GPU only: under the interpreter both switches
+launch through Triton (tests/test_cached_launch.py checks the cached path's bookkeeping on CPU)."""
     monkeypatch.setattr(weighted_decode, "FUSED_MERGE", fused)
     for dtype, n, offset in ((torch.float16, 320, 0), (torch.float16, 327, 1), (torch.float32, 336, 1)):
         q, k, v, w, bounds = make_inputs(1, 8, 2, 1, n, 32, dtype, clip=True, seed=n)

@@ -1,21 +1,16 @@
 """Triton multi-token weighted attention kernel (kvcompress.kernels.weighted_prefill) against the references.
 
-Runs on CPU through the Triton interpreter (TRITON_INTERPRET=1, set by conftest before triton is imported), and
-compiled on CUDA tensors where CUDA is present.
+Runs compiled on CUDA tensors where CUDA is present and in the Triton interpreter on CPU tensors elsewhere
+(tests/triton_mode.py).
 Tolerances as for the decode kernel (``TOL``: fp32 1e-5, fp16 2e-3, bf16 1.6e-2, absolute and relative); the
 PyTorch reference is itself checked against the float64 reference with the same tolerance.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+from triton_mode import INTERPRET
 
 pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it, CPU interpreter mode)")
 
@@ -24,8 +19,8 @@ from test_kernel_weighted_decode import DEVICE, check_close, make_inputs  # noqa
 from kvcompress import weighted_attention  # noqa: E402
 from kvcompress.kernels import weighted_decode, weighted_prefill  # noqa: E402
 
-if not weighted_decode.INTERPRET and not torch.cuda.is_available():
-    pytest.skip("kernel module was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+if weighted_decode.INTERPRET != INTERPRET:
+    pytest.skip("kernel module was defined in the other Triton mode (imported too early)", allow_module_level=True)
 
 
 def float64_reference(q, k, v, w, **kwargs):
