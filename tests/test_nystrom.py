@@ -206,6 +206,25 @@ def test_query_radius_tensor_and_dtypes():
     assert torch.isfinite(v_s.float()).all() and torch.isfinite(w).all()
 
 
+def test_each_problem_gets_its_own_query_radius():
+    """A ``[b, h]`` radius gives problem (b, h) what a scalar radius of that entry gives it in the same call (the
+    same draws, the same float64 arithmetic: equal to float64 rounding); a radius that reached the wrong problem,
+    or every problem's largest, would change that problem's coreset (checked: the radii are far enough apart)."""
+    gen = torch.Generator().manual_seed(17)
+    keys = torch.randn(2, 3, 96, 16, generator=gen, dtype=torch.float64) * 1.5
+    values = torch.randn(2, 3, 96, 8, generator=gen, dtype=torch.float64)
+    radius = torch.rand(2, 3, generator=gen, dtype=torch.float64) * 6 + 0.5
+    per_problem = compress_kv(keys, values, 16, bins=2, query_radius=radius, seed=5)
+    changed = 0
+    for b, h in np.ndindex(2, 3):
+        alone = compress_kv(keys, values, 16, bins=2, query_radius=float(radius[b, h]), seed=5)
+        for got, want in zip(per_problem, alone, strict=True):
+            torch.testing.assert_close(got[b, h], want[b, h], rtol=1e-12, atol=1e-12)
+        largest = compress_kv(keys, values, 16, bins=2, query_radius=float(radius.max()), seed=5)
+        changed += not torch.allclose(largest[1][b, h], alone[1][b, h], rtol=1e-6, atol=1e-9)
+    assert changed >= 4  # all but the largest radius's problem, unless a coreset ignores R_Q
+
+
 def test_large_key_norms_stay_finite():
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 2, 512, 64, generator=gen) * torch.logspace(-1, 1.8, 512)[:, None]  # norms up to ~500

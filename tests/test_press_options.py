@@ -146,6 +146,69 @@ def test_paper_setting_is_the_binned_rpnys_coreset_of_the_middle():
         assert torch.all(layer.row_weights[:, :, 32 + coreset :] == 1)
 
 
+def float64_query_radius(model, context) -> list[torch.Tensor]:
+    """Per layer, the largest post-RoPE query norm per (batch row, KV head) over the context's queries, from a
+    float64 copy of the model's own modules (its projections, query norm where it has one, its RoPE)."""
+    model64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        hidden = model64.model(input_ids=context, output_hidden_states=True).hidden_states
+        positions = torch.arange(context.shape[1])[None]
+        radii = []
+        for idx, layer in enumerate(model64.model.layers):
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden[idx])
+            q = attention.q_proj(x).view(1, context.shape[1], -1, attention.head_dim)
+            q = (attention.q_norm(q) if hasattr(attention, "q_norm") else q).transpose(1, 2)
+            cos, sin = model64.model.rotary_emb(x, positions)
+            half = q.shape[-1] // 2
+            rotated = torch.cat([-q[..., half:], q[..., :half]], -1)
+            q = q * cos[:, None] + rotated * sin[:, None]
+            norms = q.norm(dim=-1).amax(-1)  # [1, h_q]
+            radii.append(norms.view(1, -1, attention.num_key_value_groups).amax(-1))
+    return radii
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_paper_with_query_radius_from_the_queries(family, monkeypatch):
+    """``query_radius="queries"``: each layer's R_Q (eq. 12) is its prefill queries' largest post-RoPE norm per KV
+    head (over the GQA group), as a float64 copy of the model computes it, and the coreset is ``compress_kv``'s
+    with that radius. Tolerance: the press reads the float32 forward's queries, a few float32 roundings (2^-24
+    each) through two layers: 1e-5 relative is ~100x that. qwen3 normalises its queries before RoPE (every norm
+    then the same with its initial weights): the case checks that norm is applied."""
+    from kvcompress import methods
+
+    model = tiny_model(family, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+    context = tokens(CONTEXT, 8)
+    full = full_context(model, context)
+    seen = []
+
+    def spy(*args, query_radius=None, **kwargs):
+        seen.append(query_radius)
+        return compress_kv(*args, query_radius=query_radius, **kwargs)
+
+    monkeypatch.setattr(methods, "compress_kv", spy)
+    press = CompressKVPress.paper(compression_ratio=0.6, seed=11, query_radius="queries")
+    cache = compressed_cache(model, press, context)
+    assert len(seen) == len(cache.layers)
+    rows = int(CONTEXT * 0.4) - 64
+    bins = rows // 12
+    coreset = bins * (rows // bins)
+    exact = rows - coreset
+    for idx, (layer, (keys, values), radius, want) in enumerate(
+        zip(cache.layers, full, seen, float64_query_radius(model, context), strict=True)
+    ):
+        assert radius.shape == (1, 2)
+        torch.testing.assert_close(radius.double(), want, rtol=1e-5, atol=0)
+        k_s, v_s, w = compress_kv(
+            keys[:, :, 32 : -32 - exact], values[:, :, 32 : -32 - exact], coreset, bins=bins,
+            scaling=model.model.layers[idx].self_attn.scaling, seed=press.layer_seed(idx), query_radius=radius,
+        )  # fmt: skip
+        middle = slice(32, 32 + coreset)
+        torch.testing.assert_close(layer.keys[:, :, middle], k_s)
+        torch.testing.assert_close(layer.values[:, :, middle], v_s)
+        torch.testing.assert_close(layer.row_weights[:, :, middle], w)
+
+
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_repeat_pass_leaves_sliding_and_uncompressed_state_as_a_plain_prefill(family):
     """The repeat pass runs after the prefill and is undone: sliding-window layers (which cannot be cropped once

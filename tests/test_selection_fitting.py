@@ -29,10 +29,20 @@ def test_attention_mass_matches_float64_reference_with_gqa(causal, monkeypatch):
     torch.testing.assert_close(attention_mass(queries, keys, 0.25, query_positions=positions), got)
 
 
+@pytest.mark.parametrize("kernel_size", [3, 5, 7])
+def test_pool_scores_is_snapkvs_zero_padded_average(kernel_size):
+    """Every position, the edges included: the mean over ``kernel_size`` neighbours, the missing ones past either
+    end counted as zeros (avg_pool1d's ``count_include_pad``, as SnapKV pools), on random scores in float64."""
+    scores = torch.rand(2, 3, 11, generator=_generator(4), dtype=torch.float64)
+    half = kernel_size // 2
+    padded = torch.nn.functional.pad(scores, (half, half))
+    expected = torch.stack([padded[..., i : i + kernel_size].sum(-1) / kernel_size for i in range(11)], -1)
+    torch.testing.assert_close(pool_scores(scores, kernel_size), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(pool_scores(scores.float(), kernel_size), expected.float(), rtol=1e-6, atol=0)
+
+
 def test_pool_normalise_and_top_rows():
     scores = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 1.0, 1.0, 1.0]])
-    pooled = pool_scores(scores, 3)
-    torch.testing.assert_close(pooled[0, 1:4], torch.tensor([5 / 3, 5 / 3, 5 / 3]))
     assert torch.equal(pool_scores(scores, 1), scores)
     assert torch.equal(normalise(torch.zeros(2, 5)), torch.zeros(2, 5))
     torch.testing.assert_close(normalise(scores).sum(), torch.tensor(1.0))
