@@ -79,8 +79,11 @@ def test_full_rank_reproduces_exact_softmax_attention(lead):
 # ---------------------------------------------------------------- RPNys (Alg. 1, eq. 7-8)
 
 
-@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-9), (torch.float32, 2e-3)])
-def test_rank_one_update_weights_equal_direct_nystrom(dtype, rtol):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rank_one_update_weights_equal_direct_nystrom(dtype):
+    """Alg. 1's weights against the direct solve h(K_S, K_S)^-1 h(K_S, K) in float64. Tolerance from the solve's
+    perturbation bound: relative error <= cond(h(K_S, K_S)) x the relative error of the entries, which ``rank``
+    rank-one updates in ``dtype`` leave at about rank x u (u: its unit roundoff)."""
     gen = torch.Generator().manual_seed(5)
     problems, length, d, rank = 3, 40, 8, 10
     x = torch.randn(problems, length, d, generator=gen, dtype=torch.float64)
@@ -95,6 +98,7 @@ def test_rank_one_update_weights_equal_direct_nystrom(dtype, rtol):
         s = result.pivots[p]
         chol = torch.linalg.cholesky(h[s][:, s])
         direct = torch.cholesky_solve(h[s], chol)  # h(K_S, K_S)^-1 h(K_S, K)
+        rtol = torch.linalg.cond(h[s][:, s]).item() * rank * torch.finfo(dtype).eps / 2
         err = (result.weights[p].double() - direct).abs().max() / direct.abs().max()
         assert err.item() <= rtol
         # Nystrom interpolates at the pivots: W[:, s] is the identity.

@@ -416,14 +416,21 @@ def test_prefill_budget_defers_new_contexts_while_sessions_decode_and_lets_follo
                         if len(pieces) == 2:
                             decoding.set()
 
+        def arrived(count: int) -> None:
+            """Wait until the server has logged ``count`` arrivals (so B, C and D arrive in that order)."""
+            deadline = time.time() + 120
+            while log_path.read_text().count(" queued: context ") < count:
+                assert time.time() < deadline, "the server never logged the request's arrival"
+                time.sleep(0.05)
+
         a = threading.Thread(target=stream_a)
         a.start()
         assert decoding.wait(300)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             b = pool.submit(_ask, base, docs[1], QUESTIONS[1], 12)
-            time.sleep(0.2)
+            arrived(3)  # the store request, A, B
             c = pool.submit(_ask, base, docs[2], QUESTIONS[2], 12)
-            time.sleep(0.2)
+            arrived(4)
             d = pool.submit(_ask, base, docs[0], QUESTIONS[3], 6)
             answers = [f.result() for f in (b, c, d)]
         a.join()
