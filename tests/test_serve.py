@@ -398,6 +398,8 @@ class FailingEngine:
 
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event(embedded_dir):
+    """A unit test of the HTTP layer (in process, a stand-in engine that fails after its first token): a real
+    server's generation cannot be made to fail on demand, and the failure path is app.py's alone."""
     from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
