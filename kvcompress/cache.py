@@ -216,18 +216,23 @@ class WeightedDynamicCache(DynamicCache):
         return super().get_mask_sizes(cache_position, layer_idx)
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens (counted like ``get_seq_length()``); negative: drop from the end."""
+        """Keep the first ``max_length`` tokens (counted like ``get_seq_length()``); negative: drop from the end.
+        Every layer is checked before any is cut: a refused crop leaves the cache as it was."""
+        targets = []
         for layer in self.layers:
-            if not isinstance(layer, WeightedLayer) or max_length < 0:
-                layer.crop(max_length)
-                continue
-            rows, context = max_length - layer.position_offset, layer.context_rows + layer.position_offset
-            if rows < layer.context_rows:
-                raise ValueError(
-                    f"max_length: a compressed cache can be cropped back to its {context}-token context or later, "
-                    f"got {max_length}"
-                )
-            layer.crop(rows)
+            target = max_length
+            if isinstance(layer, WeightedLayer) and max_length >= 0:
+                target, context = max_length - layer.position_offset, layer.context_rows + layer.position_offset
+                if target < layer.context_rows:
+                    raise ValueError(
+                        f"max_length: a compressed cache can be cropped back to its {context}-token context or "
+                        f"later, got {max_length}"
+                    )
+            if hasattr(layer, "check_crop"):  # layers that refuse some lengths (windows, static buffers)
+                layer.check_crop(target)
+            targets.append(target)
+        for layer, target in zip(self.layers, targets, strict=True):
+            layer.crop(target)
 
     def __repr__(self) -> str:
         kinds = ", ".join(f"{kind}: {count} layers, {rows} rows" for kind, (count, rows) in layer_kinds(self).items())

@@ -161,9 +161,8 @@ class StaticWeightedLayer(WeightedLayer):
         self.value_max.copy_(torch.maximum(self.value_max, new.masked_fill(~real, float("-inf")).amax(-2)))
         return self._visible, self._rows[:1], self.value_min, self.value_max
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` rows (>= the compressed context); the clip range restarts from the
-        context's and covers the kept rows."""
+    def check_crop(self, max_length: int) -> int:
+        """The rows :meth:`crop` keeps for ``max_length`` (negative: from the end), or the ``ValueError`` it raises."""
         if max_length < 0:
             max_length = self.get_seq_length() + max_length
         if not self.context_rows <= max_length <= self.capacity:
@@ -171,6 +170,12 @@ class StaticWeightedLayer(WeightedLayer):
                 f"max_length: a static compressed layer keeps between {self.context_rows} and {self.capacity} rows, "
                 f"got {max_length}"
             )
+        return max_length
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` rows (>= the compressed context); the clip range restarts from the
+        context's and covers the kept rows."""
+        max_length = self.check_crop(max_length)
         self._length.fill_(max_length)
         low, high = self.base_min, self.base_max
         if max_length > self.context_rows:
@@ -311,14 +316,24 @@ class StaticWindowLayer(CacheLayerMixin):
         visible = (attended[None, :] <= query) & (attended[None, :] > query - self.sliding_window)
         return (visible[None] & real[:, None, :])[:, None]
 
+    def _refused(self, tokens: int) -> ValueError:
+        return ValueError(
+            f"max_length: a sliding-window layer after a press can go back only to the end of its "
+            f"{self.context_tokens}-token context, got {tokens}"
+        )
+
+    def check_crop(self, max_length: int) -> None:
+        """Raise the ``ValueError`` :meth:`crop` would raise, changing nothing (one device read)."""
+        length = self.get_seq_length()
+        tokens = length + max_length if max_length < 0 else max_length
+        if tokens < length and tokens != self.context_tokens:
+            raise self._refused(tokens)
+
     def rewind(self, tokens: int) -> None:
         if tokens == self.get_seq_length():
             return
         if tokens != self.context_tokens:
-            raise ValueError(
-                f"max_length: a sliding-window layer after a press can go back only to the end of its "
-                f"{self.context_tokens}-token context, got {tokens}"
-            )
+            raise self._refused(tokens)
         state = (self.keys, self.values, self.slot_tokens, self.slot_real)
         for tensor, saved in zip(state, self._context, strict=True):
             tensor.copy_(saved)

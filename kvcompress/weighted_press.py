@@ -96,6 +96,24 @@ class RowPlan:
         return self.sink + self.window + self.middle
 
 
+def refuse_a_second_press(press: BasePress, model: PreTrainedModel) -> None:
+    """Raise if ``press`` is already applied, or another kvpress press is applied to ``model``: two presses would
+    each compress the other's output (a wrong token count, or rows that no longer match their weights)."""
+    if press._entered:
+        raise ValueError(
+            f"press: this {type(press).__name__} is already applied (its `with press(model)` block is open); apply "
+            "it once, e.g. not both `with press(model):` and `pipe(..., press=press)`"
+        )
+    for module in model.modules():
+        for hook in getattr(module, "_forward_hooks", {}).values():
+            other = getattr(hook, "__self__", None)
+            if isinstance(other, BasePress) and other is not press:
+                raise ValueError(
+                    f"press: {type(other).__name__} is already applied to this model; {type(press).__name__} runs "
+                    "alone (leave the other press's `with` block first)"
+                )
+
+
 @dataclass
 class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
@@ -227,6 +245,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
 
     @contextmanager
     def __call__(self, model: PreTrainedModel):
+        refuse_a_second_press(self, model)
         self._pending, self._repeating, self._entered = {}, False, True
         try:
             with super().__call__(model):
@@ -318,6 +337,11 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         check_cache(cache)
         layer = cache.layers[module.layer_idx]
         batch, _, n, _ = layer.keys.shape
+        if n != hidden_states.shape[1] or isinstance(layer, WeightedLayer):
+            raise ValueError(
+                f"press: layer {module.layer_idx} holds {n} rows after a {hidden_states.shape[1]}-token prefill: "
+                f"another press changed it before {type(self).__name__}, which runs alone (not nested or composed)"
+            )
         rows = real_token_rows(self._attention_mask, batch, n, layer.keys.device)
         plans = [self.plan(n)] * batch if rows is None else [self.plan(len(index)) for index in rows]
         if all(plan is None for plan in plans):

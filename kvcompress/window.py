@@ -76,16 +76,25 @@ class WindowLayer(DynamicSlidingWindowLayer):
         finally:
             self._updating = False
 
+    def _refused(self, tokens: int) -> ValueError:
+        return ValueError(
+            f"max_length: a sliding-window layer after a press can go back only to the end of its "
+            f"{self.context_tokens}-token context (it holds {self.cumulative_length} tokens), got {tokens}"
+        )
+
+    def check_crop(self, max_length: int) -> None:
+        """Raise the ``ValueError`` :meth:`crop` would raise, changing nothing."""
+        tokens = self.cumulative_length + max_length if max_length < 0 else max_length
+        if tokens < self.cumulative_length and tokens != self.context_tokens:
+            raise self._refused(tokens)
+
     def rewind(self, tokens: int) -> None:
         """Make the layer stand for the first ``tokens`` tokens: a no-op at its current count, a restore at the
         end of its context; ``ValueError`` elsewhere."""
         if tokens == self.cumulative_length:
             return
         if tokens != self.context_tokens:
-            raise ValueError(
-                f"max_length: a sliding-window layer after a press can go back only to the end of its "
-                f"{self.context_tokens}-token context (it holds {self.cumulative_length} tokens), got {tokens}"
-            )
+            raise self._refused(tokens)
         self._dropped = {self.keys.data_ptr(), self.values.data_ptr()}
         self.__dict__["_keys"], self.__dict__["_values"] = self.context_keys, self.context_values
         self.cumulative_length = self.context_tokens

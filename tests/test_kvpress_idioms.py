@@ -53,6 +53,48 @@ def test_direct_post_init_still_refuses_real_wrappers(model):
         composed.post_init_from_model(model)
 
 
+def test_a_second_press_is_refused_before_it_runs(model):
+    """Two presses on one model would each compress the other's output (the paper's press twice gave a cache that
+    counted 120 of 300 tokens, silently): the same press entered twice, a second kvcompress press, or ours inside
+    a kvpress press are refused on entry; a kvcompress press entered first still refuses a kvpress press that
+    evicts its rows. The model then runs as before, and a press applied alone works."""
+    from kvpress import KnormPress
+
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(4))
+    press, other = CompressKVPress.paper(0.5, seed=0), CompressKVPress(compression_ratio=0.5, seed=0)
+    for outer, inner, message in (
+        (press, press, "^press: this CompressKVPress is already applied"),
+        (press, other, "^press: CompressKVPress is already applied to this model"),
+        (KnormPress(compression_ratio=0.5), press, "^press: KnormPress is already applied to this model"),
+    ):
+        with pytest.raises(ValueError, match=message), outer(model), inner(model):
+            pass
+    with pytest.raises(RuntimeError, match="something removed rows of a compressed cache layer"):
+        with torch.no_grad(), press(model), KnormPress(compression_ratio=0.5)(model):
+            model(ids, past_key_values=DynamicCache())
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(ids, past_key_values=cache)
+    assert cache.get_seq_length() == 96 and all(layer.keys.shape[-2] == 48 for layer in cache.layers)
+
+
+def test_a_layer_another_hook_evicted_is_refused_by_name(model):
+    """A layer that already lost rows when the press's hook runs (a hook outside kvpress cropped it) is refused
+    with the layer's index, not compressed from the wrong number of rows."""
+
+    def evict(module, args, kwargs, output):
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        layer.keys, layer.values = layer.keys[:, :, 8:], layer.values[:, :, 8:]
+
+    handle = model.model.layers[1].self_attn.register_forward_hook(evict, with_kwargs=True)
+    try:
+        with pytest.raises(ValueError, match="^press: layer 1 holds 88 rows after a 96-token prefill"):
+            with torch.no_grad(), CompressKVPress(compression_ratio=0.5)(model):
+                model(torch.randint(0, 256, (1, 96)), past_key_values=DynamicCache())
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def _compress(model, press, ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     cache = DynamicCache()

@@ -149,14 +149,36 @@ def test_pipeline_questions_together_equal_each_alone_on_gemma3(setup, static): 
     torch.testing.assert_close(torch.stack(together), torch.stack(alone), **TOL)
 
 
-def test_rewinding_a_window_layer_elsewhere_is_refused():
-    model = gemma()
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_rewinding_a_window_layer_elsewhere_is_refused_and_changes_nothing(static):
+    """A full (compressed) layer, then a sliding one: a crop the window layer refuses is refused before any layer
+    is cut (the compressed layer keeps its rows), and the next token's logits are those of a cache that was never
+    asked to crop."""
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                       layer_types=["full_attention", "sliding_attention"])  # fmt: skip
     ids = random_ids(CONTEXT, seed=8)
-    cache = compress(model, ids)
+    caches = []
+    for _ in range(2):
+        cache = compress(model, ids)
+        cache = StaticWeightedCache.from_compressed(cache, max_new_tokens=8) if static else cache
+        with torch.no_grad():
+            model(input_ids=random_ids(3, seed=9), past_key_values=cache)
+        caches.append(cache)
+    cache, untouched = caches
+
+    def lengths(c):
+        return [layer.get_seq_length() for layer in c.layers]
+
+    before = lengths(cache)
+    for bad in (CONTEXT + 1, -1):
+        with pytest.raises(ValueError, match="max_length: a sliding-window layer after a press can go back only"):
+            cache.crop(bad)
+    assert lengths(cache) == before
+    step = random_ids(1, seed=10)
     with torch.no_grad():
-        model(input_ids=random_ids(3, seed=9), past_key_values=cache)
-    with pytest.raises(ValueError, match="max_length: a sliding-window layer after a press can go back only"):
-        cache.crop(CONTEXT + 1)
+        got = model(input_ids=step, past_key_values=cache).logits
+        want = model(input_ids=step, past_key_values=untouched).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_static_cache_keeps_windows_in_a_ring():
