@@ -46,8 +46,8 @@ def weighted_attention(
     ``ValueError``; compiled on CUDA, eager elsewhere); or ``"auto"`` (the Triton kernels for CUDA tensors
     they support when triton imports, else the reference; FlexAttention is not chosen automatically until
     GPU timings show where it is faster). ``check_finite``: reject NaN/Inf in queries, keys, values, weights
-    and the clip range with a ``ValueError`` (one device sync; pass False where speed matters and the inputs
-    are known to be finite).
+    and the clip range, and a clip range with ``v_min > v_max``, with a ``ValueError`` (one device sync; pass
+    False where speed matters and the inputs are known to be valid).
     """
     check_backend(backend, BACKENDS)
     check_float_tensor("queries", queries, ndim=4)
@@ -67,6 +67,8 @@ def weighted_attention(
         raise ValueError(f"weights: shape {tuple(weights.shape)} must be {tuple(keys.shape[:3])}")
     if heads_kv < 1 or heads_q % heads_kv:
         raise ValueError(f"queries: h_q={heads_q} must be a multiple of the key heads h_kv={heads_kv}")
+    if n < 1:
+        raise ValueError(f"keys: need at least one key row (n >= 1), got shape {tuple(keys.shape)}")
     d_v = values.shape[-1]
     for name, bound in (("v_min", v_min), ("v_max", v_max)):
         if bound is not None:
@@ -89,6 +91,8 @@ def weighted_attention(
                         ("v_min", v_min), ("v_max", v_max)):  # fmt: skip
             if x is not None:
                 _check_finite(name, x)
+        if v_min is not None and v_max is not None and bool((v_min > v_max).any()):
+            raise ValueError("v_min: must be <= v_max in every entry (the clip range [v_min, v_max])")
 
     kwargs = dict(scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=causal_offset, key_mask=key_mask)
     if backend == "flex":

@@ -57,6 +57,11 @@ class StaticWeightedCache(WeightedDynamicCache):
             raise ValueError(
                 f"cache: from_compressed takes a cache a kvcompress press has compressed, got {type(cache).__name__}"
             )
+        if any(getattr(layer, "is_compileable", False) for layer in cache.layers):
+            raise ValueError(
+                "cache: from_compressed copies a dynamic compressed cache; this one is already static (it would share "
+                "its buffers and keep its own capacity): crop it back to reuse it, or convert the dynamic cache again"
+            )
         static = cls(max_new_tokens)
         static.layers = list(cache.layers)
         static.freeze()

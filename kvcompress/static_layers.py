@@ -23,6 +23,16 @@ def _static(*tensors: torch.Tensor) -> None:
             torch._dynamo.mark_static_address(tensor)
 
 
+def _check_batch(key_states: torch.Tensor, batch: int) -> None:
+    """Raise unless ``key_states`` has the cache's ``batch`` rows (``generate`` expands the prompt, not the cache,
+    for beam search and several sequences per prompt)."""
+    if key_states.shape[0] != batch:
+        raise ValueError(
+            f"num_beams: a static compressed cache holds {batch} batch row(s) and gets {key_states.shape[0]}; it "
+            "supports greedy and sampled decoding with num_beams=1 and num_return_sequences=1"
+        )
+
+
 def _check_capacity(slots: torch.Tensor, capacity: int, q: int) -> None:
     """Raise unless the new tokens' slots ``[q]`` (0 = the first row after the compressed context) lie in
     ``[0, capacity)``: a ``ValueError`` in eager CPU runs (one host read, free there), else a device-side assert."""
@@ -124,6 +134,7 @@ class StaticWeightedLayer(WeightedLayer):
     def update(self, key_states, value_states, cache_kwargs=None):
         """Write the new rows in place at ``cache_position - position_offset`` (after the last written row when
         no ``cache_position`` is given)."""
+        _check_batch(key_states, self.max_batch_size)
         positions = (cache_kwargs or {}).get("cache_position")
         q = key_states.shape[-2]
         if positions is None:
@@ -265,6 +276,7 @@ class StaticWindowLayer(CacheLayerMixin):
     def update(self, key_states, value_states, cache_kwargs=None):
         """One new token: written into its slot, then the ring is attended. Several: the ring as it was plus the
         new rows are attended (a new row may evict a slot an earlier new token still sees), then written."""
+        _check_batch(key_states, self.max_batch_size)
         positions = (cache_kwargs or {}).get("cache_position")
         q = key_states.shape[-2]
         if positions is None:

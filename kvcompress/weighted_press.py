@@ -153,9 +153,9 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     _deferred: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (cache, state)
 
     def __post_init__(self) -> None:
-        check_number("compression_ratio", self.compression_ratio, 0, 1)
-        if self.compression_ratio == 1:
-            raise ValueError("compression_ratio: must be a number in [0, 1) (fraction removed), got 1")
+        ratio = self.compression_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:  # NaN too
+            raise ValueError(f"compression_ratio: must be a number in [0, 1) (the fraction removed), got {ratio!r}")
         check_int_range("sink_size", self.sink_size, 0)
         check_int_range("window_size", self.window_size, 0)
         if self.seed is not None:
@@ -245,6 +245,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
 
     @contextmanager
     def __call__(self, model: PreTrainedModel):
+        self.__post_init__()  # fields set after construction are checked too (kvpress's benchmarks set the ratio)
         refuse_a_second_press(self, model)
         self._pending, self._repeating, self._entered = {}, False, True
         try:

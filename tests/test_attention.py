@@ -127,6 +127,9 @@ def _good():
         (lambda q, k, v, w: (q, k, v, w), {"v_max": torch.zeros(1, 2)}, "v_max"),
         (lambda q, k, v, w: (q, k, v, w), {"causal_offset": -1}, "causal_offset"),
         (lambda q, k, v, w: (q, k, v, w), {"scaling": -0.1}, "scaling"),
+        (lambda q, k, v, w: (q, k[:, :, :0], v[:, :, :0], w[..., :0]), {}, "keys"),  # no key row at all
+        (lambda q, k, v, w: (q, k, v, w), {"v_min": torch.full((1, 2, 8), 0.5), "v_max": torch.rand(1, 2, 8) * 0.49},
+         "v_min"),  # an empty clip range
     ],
 )
 def test_bad_input_names_the_parameter(change, kwargs, name):

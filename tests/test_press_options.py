@@ -297,3 +297,15 @@ def test_bad_options_get_one_line_errors_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}: ") as error:
         CompressKVPress(**kwargs)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("ratio", [float("nan"), 1.0, 1.5, -0.5, "0.5", None])
+def test_a_ratio_set_after_construction_is_checked_on_entry(ratio):
+    """kvpress's benchmarks set ``press.compression_ratio`` on a built press: a bad value is refused when the press
+    is applied (was: a crash in the budget, or the context silently left whole), and the model is left as it was."""
+    model = tiny_model("llama")
+    press = CompressKVPress()
+    press.compression_ratio = ratio
+    with pytest.raises(ValueError, match=r"^compression_ratio: must be a number in \[0, 1\)"), press(model):
+        pass
+    assert not any(module._forward_hooks for module in model.modules())

@@ -125,6 +125,23 @@ def test_writing_past_the_preallocated_rows_raises():
         StaticWeightedCache(max_new_tokens=0)
     with pytest.raises(ValueError, match="cache: from_compressed takes a cache a kvcompress press has compressed"):
         StaticWeightedCache.from_compressed(DynamicCache(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="cache: from_compressed copies a dynamic compressed cache; this one is"):
+        StaticWeightedCache.from_compressed(static, max_new_tokens=8)  # would share its buffers and keep 4 rows
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3's first layer is a static window layer
+def test_beam_search_and_several_sequences_are_refused_by_name(family):
+    """``generate`` expands the prompt (not the cache) for beams and several sequences per prompt: the cache's
+    first layer refuses the wider batch with the option's name, and the cache is left as it was."""
+    model = tiny_model(family)
+    ids = random_ids(150, seed=6)
+    static = StaticWeightedCache.from_compressed(prefill(model, PRESSES["default"](), ids), max_new_tokens=8)
+    prompt = torch.cat([ids, random_ids(3, seed=7)], 1)
+    for options in (dict(num_beams=2), dict(do_sample=True, num_return_sequences=2)):
+        with torch.no_grad(), pytest.raises(ValueError, match="^num_beams: a static compressed cache holds 1 batch"):
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=static, max_new_tokens=2,
+                           **options)  # fmt: skip
+        assert static.remaining() == 8 and static.get_seq_length() == ids.shape[1]
 
 
 @pytest.mark.slow  # an inductor compile (~15-35 s on the shared CPU); CI runs it
