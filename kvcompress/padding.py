@@ -12,6 +12,11 @@ import copy
 import torch
 from transformers.cache_utils import DynamicCache
 
+SLIDING_PADDED_REPEAT = (
+    "attention_mask: a padded batch with reference 'repeat' is not supported on a cache with sliding-window layers; "
+    "use reference=('window',), compress one row at a time, or pass a DynamicCache() built without the model's config"
+)
+
 
 def real_token_rows(attention_mask: object, batch: int, n: int, device: torch.device) -> list[torch.Tensor] | None:
     """Per batch row, the positions ``[n_b]`` (int64) of its real tokens in a prefill of ``n`` tokens; None when
@@ -69,10 +74,7 @@ def row_view_cache(cache: DynamicCache, row: int, index: torch.Tensor) -> Dynami
     view = DynamicCache()
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
-            raise ValueError(
-                "attention_mask: a padded batch with reference 'repeat' is not supported on models with "
-                "sliding-window layers; use reference=('window',) or compress one row at a time"
-            )
+            raise ValueError(SLIDING_PADDED_REPEAT)
         row_layer = copy.copy(layer)
         row_layer.keys, row_layer.values = layer.keys[row : row + 1, :, index], layer.values[row : row + 1, :, index]
         view.layers.append(row_layer)

@@ -139,11 +139,7 @@ class RepeatPassHooks:
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
         input_ids = self._call[1]
         pending, self._pending = self._pending, {}
-        if input_ids is None:
-            raise ValueError(
-                f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
-                "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
-            )
+        assert input_ids is not None, "refused before the prefill (WeightedSubsetPress._refuse_before_the_prefill)"
         parked, self._parked = self._parked, None
         if list(pending) == list(range(len(decoder.layers))) and self._streamable(next(iter(pending.values()))):
             self._repeat_layer_by_layer(decoder, cache, pending, parked or None)

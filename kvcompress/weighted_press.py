@@ -48,7 +48,7 @@ from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
-from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
+from kvcompress.padding import SLIDING_PADDED_REPEAT, real_token_rows, row_kwargs, stack_rows
 from kvcompress.reference import LayerReference
 from kvcompress.repeat_hooks import RepeatPassHooks
 from kvcompress.window import layer_windows, trim_to_windows
@@ -276,13 +276,43 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
-        ours)."""
+        ours), and refuse what the layers' hooks could only refuse halfway through the prefill."""
         if not self._repeating:
-            self._attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-            self._call, self._stream = (decoder, kwargs.get("input_ids", args[0] if args else None)), None
+
+            def argument(name: str, index: int):  # the decoder's forward(input_ids, attention_mask, ...)
+                return kwargs.get(name, args[index] if len(args) > index else None)
+
+            self._attention_mask = argument("attention_mask", 1)
+            self._call, self._stream = (decoder, argument("input_ids", 0)), None
             self._parked = None
             # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.
             self._finite, self._positions = [], (None, None, False)
+            self._refuse_before_the_prefill(argument("inputs_embeds", 4), argument("past_key_values", 3))
+
+    def _refuse_before_the_prefill(self, inputs_embeds: torch.Tensor | None, cache) -> None:
+        """Raise, before any layer writes the cache, for a call this press would compress but refuse in a layer's
+        hook or after the prefill: a batch row of padding only, a repeat pass without token ids, a padded repeat
+        pass over sliding-window layers. One host read of the mask per prefill (none for decode steps)."""
+        input_ids = self._call[1]
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is None or tokens.shape[1] < 2 or self.plan(tokens.shape[1]) is None:
+            return
+        if cache is not None and cache.get_seq_length() > 0:
+            return  # not a prefill: nothing is compressed
+        rows = real_token_rows(self._attention_mask, tokens.shape[0], tokens.shape[1], tokens.device)
+        if "repeat" not in self.reference_sources():
+            return
+        if input_ids is None:
+            raise ValueError(
+                f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
+                "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
+            )
+        layers = cache.layers if cache is not None else []
+        sliding = any(getattr(layer, "is_sliding", False) for layer in layers) or (
+            cache is None and any(window is not None for window in self._windows)
+        )
+        if rows is not None and sliding:
+            raise ValueError(SLIDING_PADDED_REPEAT)
 
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window

@@ -136,10 +136,35 @@ def test_unpadded_mask_takes_the_batched_path_unchanged():
         (torch.cat([torch.ones(1, 50), torch.zeros(1, 50)]).long(), r"attention_mask: batch rows \[1\] have no real"),
     ],
 )
-def test_bad_padding_masks_are_refused(mask, message):
+@pytest.mark.parametrize("preset", ["default", "thorough"])
+def test_bad_padding_masks_are_refused_before_the_prefill(mask, message, preset):
+    """Refused before any layer writes the cache (was: after layer 0 had written its rows, so a retry on the same
+    cache found twice the rows): the same cache then takes the prefill with a good mask."""
     model = tiny_model("llama")
     ids = torch.cat([random_ids(50, seed=s) for s in (1, 2)])
-    with pytest.raises(ValueError, match=message), torch.no_grad(), CompressKVPress(compression_ratio=0.5)(model):
+    press = CompressKVPress(compression_ratio=0.5) if preset == "default" else CompressKVPress.thorough(0.5)
+    cache = DynamicCache()
+    with pytest.raises(ValueError, match=message), torch.no_grad(), press(model):
+        model.model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    with torch.no_grad(), press(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [25, 25]
+
+
+def test_a_padded_repeat_pass_over_sliding_window_layers_is_refused_before_the_prefill():
+    """A cache built from the model's config holds sliding-window layers, which a padded repeat pass cannot read
+    row by row: refused before the prefill (was: after it), naming the way out; a DynamicCache() takes it."""
+    model = tiny_model("gemma3", sliding_window=32)
+    ids = torch.cat([random_ids(80, seed=s) for s in (1, 2)])
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match=r"^attention_mask: a padded batch with reference 'repeat' is not supported"):
+        with torch.no_grad(), CompressKVPress.thorough(0.5)(model):
+            model.model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    with torch.no_grad(), CompressKVPress.thorough(0.5)(model):
         model.model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache())
 
 

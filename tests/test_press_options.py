@@ -254,8 +254,11 @@ def test_compression_is_done_when_the_prefill_call_returns_and_only_once():
 def test_repeat_needs_input_ids():
     model = tiny_model("llama", num_hidden_layers=2)
     embeds = model.model.embed_tokens(tokens(CONTEXT, 12)).detach()
+    cache = DynamicCache()
     with pytest.raises(ValueError, match="^input_ids: CompressKVPress with reference 'repeat'"):
-        compressed_cache_embeds(model, CompressKVPress.thorough(compression_ratio=0.5), embeds)
+        with torch.no_grad(), CompressKVPress.thorough(compression_ratio=0.5)(model):
+            model.model(inputs_embeds=embeds, past_key_values=cache)
+    assert cache.get_seq_length() == 0  # refused before the prefill ran
     cache = compressed_cache_embeds(model, CompressKVPress(compression_ratio=0.5, reference=["window"]), embeds)
     assert all(layer.keys.shape[-2] == CONTEXT // 2 for layer in cache.layers)
 
