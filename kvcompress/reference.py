@@ -235,27 +235,34 @@ def novel_pieces(
 
 
 def repeat_through_layer(
-    layer: torch.nn.Module, decoder: torch.nn.Module, hidden: list[torch.Tensor], cache, layer_idx: int
+    layer: torch.nn.Module,
+    decoder: torch.nn.Module,
+    hidden: list[torch.Tensor],
+    cache,
+    layer_idx: int,
+    shift: torch.Tensor | None = None,
 ) -> None:
     """The repeat pass through one decoder layer (the streamed form of :func:`repeat_context`): each chunk's hidden
     states ``[b, c, hidden]`` entering ``layer`` are replaced, in ``hidden``, by the layer's output, the chunk
     placed after the layer's cached rows as :func:`repeat_context` places it. The layer's hooks record the queries
     and restore the layer, as in the whole-model pass; positions, rotary embeddings and the mask are the ones the
-    decoder would build for that call (a model without sliding-window layers)."""
+    decoder would build for that call (a model without sliding-window layers). ``shift [b]``: added to each batch
+    row's positions (see :func:`repeat_context`)."""
     rows = cache.layers[layer_idx].keys.shape[-2]
     masks = {}
     with torch.no_grad(), new_tokens_see_all_cached():
         for i, chunk in enumerate(hidden):
             size = chunk.shape[1]
             positions = torch.arange(rows, rows + size, device=chunk.device)
+            position_ids = positions[None] if shift is None else positions[None] + shift[:, None]
             if size not in masks:  # transformers' bool mask, for the stock path where the lower-right one cannot run
                 visible = torch.ones(size, rows + size, dtype=torch.bool, device=chunk.device)
                 masks[size] = visible.tril(rows)[None, None]
             out = layer(
                 chunk,
                 attention_mask=masks[size],
-                position_embeddings=decoder.rotary_emb(chunk, positions[None]),
-                position_ids=positions[None],
+                position_embeddings=decoder.rotary_emb(chunk, position_ids),
+                position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
                 cache_position=positions,
@@ -263,13 +270,28 @@ def repeat_through_layer(
             hidden[i] = out[0] if isinstance(out, tuple) else out
 
 
-def repeat_context(decoder: torch.nn.Module, input_ids: torch.Tensor, cache, chunk_size: int, snapshot: list) -> None:
-    """Feed ``input_ids [b, n]`` again after the n cached context tokens, ``chunk_size`` tokens at a time
+def repeat_context(
+    decoder: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cache,
+    chunk_size: int,
+    snapshot: list,
+    shift: torch.Tensor | None = None,
+) -> None:
+    """Feed ``input_ids [b, n]`` again after the cached context rows, ``chunk_size`` tokens at a time
     (the layers' hooks record the queries and restore their layer from ``snapshot`` as soon as its attention
-    has run, so only one layer at a time holds the chunk's rows); every layer is restored after each chunk."""
-    n = input_ids.shape[1]
+    has run, so only one layer at a time holds the chunk's rows); every layer is restored after each chunk.
+
+    Positions continue the cached rows' count; ``shift [b]`` (int64, the cache's device) is added to each batch
+    row's: where the prefill placed a row's context at other positions (a left-padded batch called without
+    position ids), its repeated tokens keep the same distance to the context as in the prefill."""
+    n, rows = input_ids.shape[1], cache.get_seq_length()
     with torch.no_grad(), new_tokens_see_all_cached():  # unpadded rows: each chunk sees all its context
         for start in range(0, n, chunk_size):
-            decoder(input_ids=input_ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True)
+            chunk = input_ids[:, start : start + chunk_size]
+            slots = torch.arange(rows, rows + chunk.shape[1], device=chunk.device)
+            positions = slots[None] if shift is None else slots[None] + shift[:, None]
+            decoder(input_ids=chunk, position_ids=positions, cache_position=slots, past_key_values=cache,
+                    use_cache=True)  # fmt: skip
             for layer_idx in range(len(cache.layers)):
                 restore_layer(cache, layer_idx, snapshot)

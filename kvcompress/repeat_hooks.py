@@ -4,8 +4,8 @@ hook), and the recording of the repeat queries while either runs (the mechanics 
 :mod:`kvcompress.reference`).
 
 A mixin: its methods read the press's state (``_pending``, ``_repeating``, ``_snapshot``, ``_stream``, ``_parked``,
-``_call``, ``_windows``), its ``repeat_chunk`` field, ``_compress_layer`` and ``_compress_beside`` (a layer's
-compression, on the side stream with ``overlap_compression``).
+``_call``, ``_position_ids``, ``_windows``), its ``repeat_chunk`` field, ``_compress_layer`` and
+``_compress_beside`` (a layer's compression, on the side stream with ``overlap_compression``).
 """
 
 from __future__ import annotations
@@ -99,8 +99,25 @@ class RepeatPassHooks:
             return
         repeat_tokens = sum(chunk.shape[1] for chunk in self._stream)
         with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
-            repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx)
+            shift = self._position_shift(None, state["tokens"])
+            repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx, shift)
         self._compress_beside(cache, self._pending.pop(layer_idx))
+
+    def _position_shift(self, row: tuple[int, torch.Tensor] | None, tokens: int) -> torch.Tensor | None:
+        """How far past its count of context tokens the prefill placed each batch row's last real token: ``[b]``
+        int64 for an unpadded batch, ``[1]`` for padded row ``(b, index)`` (its real tokens' positions ``index``
+        among the ``tokens``); the repeat pass adds it to its positions, so the repeated tokens sit where they
+        would have followed the context in the prefill. None where it is 0 by construction (no position ids, no
+        padding). On the device: no host read."""
+        position_ids = self._position_ids
+        if row is None:
+            return None if position_ids is None else position_ids[:, -1] + 1 - tokens
+        b, index = row
+        last = index[-1:]
+        if position_ids is not None:
+            row_positions = position_ids[b if position_ids.shape[0] > 1 else 0, -tokens:]
+            last = row_positions.index_select(0, last.to(position_ids.device))
+        return last + 1 - len(index)
 
     def _park(self, cache, layer_idx: int, state: dict) -> None:
         """After a layer's prefill, when the repeat pass will run layer by layer after the prefill: the layer's full
@@ -147,15 +164,17 @@ class RepeatPassHooks:
         if parked:
             parked.restore_all(cache)
         rows = next(iter(pending.values()))["rows"] or [None]
+        tokens = next(iter(pending.values()))["tokens"]
         for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
             row_cache = cache if index is None else row_view_cache(cache, b, index)
             row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]
+            shift = self._position_shift(None if index is None else (b, index), tokens)
             references = [state["references"][b] for state in pending.values()]
             pieces = self.repeat_positions(row_ids.shape[1], row_ids.device, references)
             row_ids = row_ids if pieces is None else row_ids[:, pieces]
             row_references = {i: state["references"][b] for i, state in pending.items()}
             with self._reading_again(row_references, row_cache, row_ids.shape[1]):
-                repeat_context(decoder, row_ids, row_cache, self.repeat_chunk, self._snapshot)
+                repeat_context(decoder, row_ids, row_cache, self.repeat_chunk, self._snapshot, shift)
         for state in pending.values():
             self._compress_layer(cache, state)
 
@@ -173,5 +192,6 @@ class RepeatPassHooks:
                 parked.restore(cache.layers[layer_idx], layer_idx)
                 parked.prefetch(layer_idx + 1)
             with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
-                repeat_through_layer(decoder.layers[layer_idx], decoder, hidden, cache, layer_idx)
+                shift = self._position_shift(None, state["tokens"])
+                repeat_through_layer(decoder.layers[layer_idx], decoder, hidden, cache, layer_idx, shift)
             self._compress_beside(cache, state)

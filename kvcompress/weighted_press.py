@@ -271,6 +271,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._deferred.clear()
             self._side.join()
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
+            self._position_ids = None
             self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
             self._finite, self._positions = [], (None, None, False)
 
@@ -283,6 +284,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
                 return kwargs.get(name, args[index] if len(args) > index else None)
 
             self._attention_mask = argument("attention_mask", 1)
+            self._position_ids = argument("position_ids", 2)  # the repeat pass continues them
             self._call, self._stream = (decoder, argument("input_ids", 0)), None
             self._parked = None
             # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.

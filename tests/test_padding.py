@@ -96,6 +96,47 @@ def test_each_padded_row_matches_the_row_alone(family, name, side):
             assert kept == row_layer.context_rows == budget  # short rows too: exactly the budget
 
 
+@pytest.mark.parametrize("name", ["thorough", "novel-repeat"])
+def test_a_repeat_pass_continues_the_positions_the_prefill_used(name):
+    """A left-padded batch called without position ids puts each row's context at positions shifted by its
+    padding; RoPE sees only distances, so each row compresses as alone, provided the repeat pass places its tokens
+    after the row's context as the prefill placed it (it restarted at the row's length: rows kept other tokens).
+    Values carry no rotation: each row's compressed values and weights equal the row's alone, up to float32 rounding
+    of the rotated dot products (1e-4)."""
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=4)
+    make = (lambda: CompressKVPress.thorough(0.6, seed=0)) if name == "thorough" else PRESSES[name]
+    rows = [random_ids(n, seed=n) for n in (200, 137, 90)]
+    ids, mask = pad_rows(rows, side="left", pad_id=PAD)
+    batched = DynamicCache()
+    with torch.no_grad(), make()(model):
+        model.model(input_ids=ids, attention_mask=mask, past_key_values=batched)  # positions 0..n-1 for every row
+    for b, row in enumerate(rows):
+        alone = prefill(model, make(), row)
+        for got, want in zip(batched.layers, alone.layers, strict=True):
+            kept = want.values.shape[-2]
+            torch.testing.assert_close(got.values[b : b + 1, :, :kept], want.values, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got.row_weights[b : b + 1, :, :kept], want.row_weights, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["thorough", "balanced"])  # streamed during the prefill; layer by layer after it
+def test_a_streamed_repeat_pass_continues_offset_positions(preset):
+    """An unpadded context given positions 37.. (a prefix cached elsewhere, say): the repeat pass continues from
+    there, so the compressed values and weights equal those of positions 0.. (RoPE sees only distances; 1e-4 for
+    float32 rounding of the rotated dot products)."""
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=4)
+    make = getattr(CompressKVPress, preset)
+    row = random_ids(160, seed=5)
+    caches = []
+    for offset in (0, 37):
+        cache = DynamicCache()
+        with torch.no_grad(), make(0.6, seed=0)(model):
+            model.model(input_ids=row, position_ids=torch.arange(160)[None] + offset, past_key_values=cache)
+        caches.append(cache)
+    for got, want in zip(caches[0].layers, caches[1].layers, strict=True):
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.row_weights, want.row_weights, rtol=1e-4, atol=1e-4)
+
+
 def test_filler_rows_are_masked_zero_weight_and_counted():
     model = tiny_model("llama")
     contexts = [random_ids(n, seed=n) for n in LENGTHS]

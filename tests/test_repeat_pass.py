@@ -31,9 +31,9 @@ def _count_streamed(monkeypatch) -> list[int]:
     """Layers the repeat pass streamed through, in order."""
     layers, original = [], reference.repeat_through_layer
 
-    def spy(layer, decoder, hidden, cache, layer_idx):
+    def spy(layer, decoder, hidden, cache, layer_idx, shift=None):
         layers.append(layer_idx)
-        return original(layer, decoder, hidden, cache, layer_idx)
+        return original(layer, decoder, hidden, cache, layer_idx, shift)
 
     monkeypatch.setattr("kvcompress.repeat_hooks.repeat_through_layer", spy)
     return layers
