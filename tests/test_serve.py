@@ -301,6 +301,16 @@ BAD_INPUTS = [  # (body, status, param)
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, 413, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": []}]}, 400, "messages"),  # no question text
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64, "temperature": 1}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),  # a lone surrogate
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}, 400, "stop"),
+]
+SERVED_EDGES = [  # in range, once answered with a 500
+    {"temperature": 1e-300},
+    {"temperature": 1.0, "top_p": 1e-300, "seed": 3},
+    {"n": None, "stream": None},  # null: the defaults, as OpenAI's API takes them
+    {"messages": [{"role": "user", "content": "\u2063\u2063\u2063kvcompress-split\u2063\u2063\u2063 hi"}]},
 ]
 
 
@@ -310,13 +320,19 @@ def test_bad_inputs_get_openai_errors_naming_the_field(server):
     import openai
 
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    for body, status, param in BAD_INPUTS:
-        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    for body, status, param in BAD_INPUTS:  # json.dumps escapes a lone surrogate as JSON can (httpx's json= cannot)
+        r = httpx.post(f"{server}/v1/chat/completions", content=json.dumps(body),
+                       headers={**headers, "Content-Type": "application/json"}, timeout=60)
         error = r.json()["error"]
         assert (r.status_code, error["param"]) == (status, param), (body, r.text)
         assert error["message"].startswith(param) and "Traceback" not in r.text
-    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers=headers, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body")
+    for raw in (b"{not json", b"[" * 100_000, b'{"max_tokens": ' + b"9" * 5000 + b"}", b'{"a": "\xff"}'):
+        r = httpx.post(f"{server}/v1/chat/completions", content=raw, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("body"), (raw[:20], r.text)
+    for edge in SERVED_EDGES:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **edge}
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, (edge, r.text)
     r = httpx.post(f"{server}/v1/completions", json={"prompt": 7}, headers=headers, timeout=60)
     assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"
     for auth in ({}, {"Authorization": "Bearer wrong"}):
@@ -366,6 +382,25 @@ def test_full_queue_gets_429_and_disconnect_cancels(server):
 
 
 @pytest.mark.slow
+def test_a_non_streamed_client_that_leaves_cancels_its_generation(server):
+    """A client that gives up on a non-streamed answer (its read timeout) cancels the generation: the server
+    looks for the disconnect on a clock, whatever the token rate (it looked only when no token had come for
+    0.25 s, and behind Starlette's BaseHTTPMiddleware never saw a disconnect at all: the answer ran to its end)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 120, "temperature": 0}
+    cancelled = metric(server, "kvcompress_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):  # 0.5 s: the question's prefill and a few tokens at most
+        httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=httpx.Timeout(60, read=0.5))
+    deadline = time.time() + 60
+    while metric(server, "kvcompress_cancelled_total") == cancelled and time.time() < deadline:
+        time.sleep(0.25)
+    assert metric(server, "kvcompress_cancelled_total") == cancelled + 1
+    assert metric(server, "kvcompress_requests_running") == 0
+
+
+@pytest.mark.slow
 def test_completions_endpoint(server):
     import openai
 
@@ -395,6 +430,19 @@ class FailingEngine:
     def submit(self, job) -> None:
         job.emit("text", "Hello")
         job.emit("error", "generation failed: RuntimeError: boom")
+
+
+def test_sampling_at_the_edges_of_its_ranges():
+    """temperature and top_p anywhere in their ranges give a token: near 0 they keep the likeliest one (the
+    logits divided by 1e-300 overflowed to inf and NaN; a float32 top_p of 1e-300 kept no token)."""
+    from kvcompress.serve.engine import sample
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 3
+    best = int(logits.argmax())
+    for temperature, top_p in ((1e-300, 1.0), (5e-324, 1.0), (1.0, 1e-300), (2.0, 1e-45)):
+        assert sample(logits, temperature, top_p, torch.Generator().manual_seed(1)) == best
+    draws = {sample(logits, 2.0, 1.0, torch.Generator().manual_seed(s)) for s in range(20)}
+    assert len(draws) > 1  # a real draw at temperature 2
 
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event(embedded_dir):

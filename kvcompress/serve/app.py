@@ -25,16 +25,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
     metrics = engine.metrics
     created = int(time.time())
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        try:
-            response = await call_next(request)
-        except Exception:  # noqa: BLE001 - never a stack trace to the client
-            log.exception("request failed")
-            response = error_response(ApiError(500, "internal error: the server failed on this request"))
-        route = request.url.path if request.url.path in KNOWN_ROUTES else "other"
-        metrics.requests.labels(route=route, status=str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountRequests, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError):
@@ -58,8 +49,8 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         authorize(request)
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"body: not valid JSON ({err})") from None
+        except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deep, an int too long
+            raise ApiError(400, f"body: not valid JSON ({type(err).__name__}: {err})"[:300]) from None
         req = parse(schema, body)
         if req.model is not None and req.model != served_model:
             raise ApiError(404, f"model: the model {req.model!r} does not exist; this server serves {served_model!r}",
@@ -101,14 +92,18 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
             events = stream_events(request, job, rid, kind, req)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text: list[str] = []
-        finished = False
+        finished, next_check = False, time.monotonic() + DISCONNECT_CHECK_S
         try:
             while not finished:
                 try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                    event = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() >= next_check:  # on a clock: tokens arrive faster than the check's period
+                    next_check = time.monotonic() + DISCONNECT_CHECK_S
                     if await request.is_disconnected():
                         return Response(status_code=499)
+                if event is None:
                     continue
                 if event[0] == "text":
                     text.append(event[1])
@@ -211,6 +206,41 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
 
 
 KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request looks for its client having gone
+
+
+class CountRequests:
+    """Pure ASGI middleware: counts requests by route and status, and answers an unhandled exception with a JSON
+    500 (never a stack trace). Not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware hands the route a
+    receive channel on which ``request.is_disconnected()`` never turns true, so a non-streamed request whose client
+    went away would generate to its end."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = []
+
+        async def send_counted(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:  # noqa: BLE001 - never a stack trace to the client
+            log.exception("request failed")
+            if status:  # the response had started: nothing more can be sent
+                raise
+            await error_response(ApiError(500, "internal error: the server failed on this request"))(
+                scope, receive, send_counted
+            )
+        finally:
+            route = scope["path"] if scope["path"] in KNOWN_ROUTES else "other"
+            self.metrics.requests.labels(route=route, status=str(status[0] if status else 500)).inc()
 
 
 def error_response(err: ApiError) -> JSONResponse:

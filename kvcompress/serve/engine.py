@@ -293,9 +293,11 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     """Greedy at temperature 0, else a draw from softmax(logits / temperature) restricted to the top-p mass."""
     if temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    scaled = logits.double().cpu()
+    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1)  # float64, max first: any temperature > 0
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < top_p  # the smallest set whose mass reaches top_p
+        keep[0] = True  # the likeliest token always (a top_p below every rounding keeps it alone)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs, 1, generator=generator))

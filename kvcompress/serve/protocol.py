@@ -1,13 +1,15 @@
 """OpenAI request schemas, their validation and OpenAI-shaped errors.
 
 Statuses: 400 a value the server cannot use (body not JSON, empty ``messages``, ``n`` other than 1, a number out
-of range, the last message not from the user); 401 a wrong API key; 404 an unknown model or route; 413 a prompt
-longer than the model's maximum; 422 a missing field or one of the wrong type (a non-integer ``max_tokens``, an
-unknown role); 429 the worker's queue is full. Every message starts with the field it is about.
+of range, the last message not from the user or without text, text that is not valid Unicode); 401 a wrong API
+key; 404 an unknown model or route; 413 a prompt longer than the model's maximum; 422 a missing field or one of
+the wrong type (a non-integer ``max_tokens``, an unknown role); 429 the worker's queue is full. Every message
+starts with the field it is about.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -53,8 +55,8 @@ class _Sampling(_Schema):
     top_p: StrictFloat | StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
+    n: StrictInt | None = 1  # null: the default, as OpenAI's API takes it
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
 
 
@@ -103,13 +105,22 @@ def check_values(request: _Sampling) -> None:
         if request.messages[-1].role != "user":
             raise ApiError(400, "messages: the last message must be from the user (the question to answer), got "
                                 f"{request.messages[-1].role!r}", "messages")
+        if not request.messages[-1].content:
+            raise ApiError(400, "messages: the last message must hold the question's text, got no text part",
+                           "messages")
+        for i, message in enumerate(request.messages):
+            check_text(f"messages[{i}].content", message.text())
         if request.max_completion_tokens is not None:
             request.max_tokens = request.max_completion_tokens
-    elif isinstance(request.prompt, list):
-        if len(request.prompt) != 1:
-            count = len(request.prompt)
-            raise ApiError(400, f"prompt: this server takes one prompt per request, got {count}", "prompt")
-        request.prompt = request.prompt[0]
+    else:
+        if isinstance(request.prompt, list):
+            if len(request.prompt) != 1:
+                count = len(request.prompt)
+                raise ApiError(400, f"prompt: this server takes one prompt per request, got {count}", "prompt")
+            request.prompt = request.prompt[0]
+        check_text("prompt", request.prompt)
+    request.n = 1 if request.n is None else request.n
+    request.stream = bool(request.stream)
     name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
     if request.max_tokens is not None and request.max_tokens < 1:
         raise ApiError(400, f"{name}: must be an integer >= 1, got {request.max_tokens}", name)
@@ -117,12 +128,24 @@ def check_values(request: _Sampling) -> None:
         raise ApiError(400, f"temperature: must be in [0, 2], got {request.temperature}", "temperature")
     if request.top_p is not None and not 0 < request.top_p <= 1:
         raise ApiError(400, f"top_p: must be in (0, 1], got {request.top_p}", "top_p")
+    if request.seed is not None and not -(2**63) <= request.seed < 2**64:
+        raise ApiError(400, f"seed: must be an integer in [-2^63, 2^64), got {request.seed}", "seed")
     if request.n != 1:
         raise ApiError(400, f"n: this server generates one choice per request (n=1), got {request.n}", "n")
     stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(400, f"stop: up to 4 non-empty strings, got {request.stop!r}", "stop")
+    for stop in stops:
+        check_text("stop", stop)
     request.stop = stops
+
+
+def check_text(name: str, text: str) -> None:
+    """400 unless ``text`` is valid Unicode (JSON can carry a lone surrogate such as \\ud800; no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"{name}: not valid Unicode text ({err.reason} at position {err.start})", name) from None
 
 
 def completion_split(text: str) -> tuple[str, str]:
@@ -147,7 +170,7 @@ def chat_split(tokenizer, messages: list[Message]) -> tuple[list[int], list[int]
         context = (tokenizer.bos_token or "") + history + "".join(parts[:-1])
         question = parts[-1] + "\n"
     else:
-        separator = "\u2063" * 3 + "kvcompress-split" + "\u2063" * 3
+        separator = f"\u2063kvcompress-split-{uuid.uuid4().hex}\u2063"  # found in no user text
         rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         rendered[-1]["content"] = "".join(parts[:-1]) + separator + parts[-1]
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False,
