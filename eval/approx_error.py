@@ -48,6 +48,7 @@ import torch
 
 from eval.config import load_yaml
 from kvcompress import compress_kv, weighted_attention
+from kvcompress._checks import check_int_range, check_positive
 
 FAMILIES = ("gaussian", "heavy_tailed")
 METHODS = ("compresskv", "compresskv_binned", "uniform", "uniform_weighted", "topk_norm")
@@ -357,14 +358,23 @@ def resolve_config(argv: list[str] | None = None) -> Config:
         bad = set(getattr(cfg, name)) - set(FAMILIES if name == "families" else METHODS + EXTRA_METHODS)
         if bad:
             raise ValueError(f"{name}: unknown {sorted(bad)}")
-    if min(cfg.n, cfg.d, cfg.m, cfg.trials, cfg.bin_rank, *cfg.ranks) < 1 or max(cfg.ranks) > cfg.n:
-        raise ValueError("n, d, m, trials, bin_rank must be >= 1 and every rank in [1, n]")
+    for name in ("n", "d", "m", "trials", "bin_rank"):
+        check_int_range(name, getattr(cfg, name), 1)
+    for rank in cfg.ranks:
+        check_int_range("ranks", rank, 1, cfg.n)
+    check_positive("logit_std", cfg.logit_std)
+    check_positive("key_norm_sigma", cfg.key_norm_sigma)
+    if not (isinstance(cfg.key_offset, (int, float)) and math.isfinite(cfg.key_offset) and cfg.key_offset >= 0):
+        raise ValueError(f"key_offset: must be a finite number >= 0, got {cfg.key_offset!r}")
     return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the tables and write the CSV and the plot."""
-    cfg = resolve_config(argv)
+    try:
+        cfg = resolve_config(argv)
+    except ValueError as exc:  # a config key or flag out of range: one line naming it (--n for n, ...)
+        raise SystemExit(f"approx_error: {exc}") from None
     print(f"config: {asdict(cfg)}")
     start = time.perf_counter()
     rows = run_benchmark(cfg)

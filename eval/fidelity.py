@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from eval.config import load_yaml
+from kvcompress._checks import check_int_range
 from kvcompress.fidelity.contexts import check_settings
 from kvcompress.fidelity.report import environment, summarize, write_outputs
 from kvcompress.fidelity.specs import check_specs
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specs = check_specs(cfg.presses, cfg.kept)  # before any model work
         check_settings(cfg.kinds, cfg.lengths, cfg.seeds, cfg.continuation_tokens, cfg.depths)
+        check_int_range("resamples", cfg.resamples, 1)  # before the study, not in its summary
+        if cfg.threads is not None:
+            check_int_range("threads", cfg.threads, 1)
         dtype = getattr(torch, cfg.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: a torch dtype name (float32, bfloat16, float16), got {cfg.dtype!r}")

@@ -20,6 +20,7 @@ import torch
 from transformers import pipeline
 
 from eval.speed.clock import Clock
+from kvcompress._checks import int_flag, number_flag
 from kvcompress.fidelity.contexts import build_contexts
 from kvcompress.fidelity.measure import prefill
 from kvcompress.fidelity.specs import make_press, parse_spec
@@ -29,13 +30,14 @@ from kvcompress.models import load_model
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--press", default="exact", help="a press spec of kvcompress.fidelity, 'exact', or 'none'")
-    parser.add_argument("--kept", type=float, default=0.25, help="kept fraction of the context (default 0.25)")
-    parser.add_argument("--tokens", type=int, default=2000, help="context tokens, prose (default 2000)")
-    parser.add_argument("--repeats", type=int, default=3, help="prefills in one process (default 3)")
+    parser.add_argument("--kept", type=number_flag(0, 1, low_open=True), default=0.25,
+                        help="kept fraction of the context, in (0, 1] (default 0.25)")  # fmt: skip
+    parser.add_argument("--tokens", type=int_flag(64), default=2000, help="context tokens, prose, >= 64 (default 2000)")
+    parser.add_argument("--repeats", type=int_flag(1), default=3, help="prefills in one process (default 3)")
     parser.add_argument(
         "--also", nargs="+", default=[], help="more press specs, run in turn after --press in the same process"
     )
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int_flag(1), help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
     spec = None if args.press == "none" else parse_spec(args.press)
     others = [parse_spec(name) for name in args.also]

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from kvcompress._checks import number_flag
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLLOW_UPS = [
     "\n\nName one keyword this text mentions.",
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", type=int, default=3, help="follow-up questions per user")
     p.add_argument("--context-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--time-limit", type=float, default=600, help="no new request after this many seconds")
+    p.add_argument("--time-limit", type=number_flag(0, low_open=True), default=600,
+                   help="no new request after this many seconds (> 0)")  # fmt: skip
     p.add_argument("--max-batch", type=int, nargs="+", default=[8],
                    help="the server's --max-batch; each method runs once per value (1 = one request at a time; "
                         "default 8)")
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch threads of the server")
     p.add_argument("--model")
     p.add_argument("--server-arg", action="append", default=[],
-                   help="extra argument for every server, repeatable (e.g. --server-arg=--prefill-share=0.5)")
+                   help="extra argument for every server, repeatable (e.g. --server-arg=--decode-per-prefill=1)")
     p.add_argument("--server-log", help="write each server's INFO log (per-phase lines) into this folder")
     p.add_argument("--output", help="write the results as JSON here")
     args = p.parse_args(argv)

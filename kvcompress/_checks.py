@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -34,6 +35,35 @@ def check_positive(name: str, value: object) -> float:
 def check_finite(name: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name}: contains NaN or Inf")
+
+
+def int_flag(low: int, high: int | None = None):
+    """An argparse ``type``: an int in ``[low, high]`` (argparse's one-line error names the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            return check_int_range("value", int(text), low, high)
+        except ValueError:
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an int {bound}, got {text!r}") from None
+
+    return parse
+
+
+def number_flag(low: float, high: float = math.inf, *, low_open: bool = False):
+    """An argparse ``type``: a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value > high or (value <= low if low_open else value < low):
+            bound = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
+            raise argparse.ArgumentTypeError(f"must be a finite number in {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
 BACKENDS = ("auto", "torch", "triton")

@@ -27,3 +27,29 @@ def test_approx_error_cli_writes_csv_and_plot(tmp_path):
 def test_approx_error_rejects_unknown_method(tmp_path):
     with pytest.raises(SystemExit):
         approx_error.main(["--methods", "nope", "--output-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "tool, argv, message",
+    [
+        ("approx_error", ["--n", "0"], "approx_error: n: must be an int >= 1, got 0"),
+        ("approx_error", ["--trials", "-1"], "approx_error: trials: must be an int >= 1, got -1"),
+        ("approx_error", ["--logit-std", "nan"], "approx_error: logit_std: must be a finite number > 0, got nan"),
+        ("approx_error", ["--ranks", "8", "5000", "--n", "4096"], "approx_error: ranks: must be an int in [1, 4096]"),
+        ("prefill_time", ["--threads", "-1"], "argument --threads: must be an int >= 1, got '-1'"),
+        ("prefill_time", ["--tokens", "0"], "argument --tokens: must be an int >= 64, got '0'"),
+        ("prefill_time", ["--kept", "0"], "argument --kept: must be a finite number in (0, 1], got '0'"),
+        ("serve_load", ["--time-limit", "nan"], "argument --time-limit: must be a finite number in (0, inf)"),
+        ("fidelity", ["--resamples", "0"], "fidelity: resamples: must be an int >= 1, got 0"),
+        ("fidelity", ["--threads", "-1"], "fidelity: threads: must be an int >= 1, got -1"),
+    ],
+)
+def test_eval_tools_refuse_bad_flags_in_one_line_naming_them(tool, argv, message, capsys):
+    """Before any model or data work: one line naming the flag (or its config key) and its range, no traceback
+    (these raised from torch.set_num_threads, numpy or a kernel's check, or ran an empty study)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"eval.{tool}").main(argv)
+    text = str(exit_.value.code) if isinstance(exit_.value.code, str) else capsys.readouterr().err
+    assert message in text and "Traceback" not in text

@@ -185,6 +185,13 @@ def test_bad_input_is_one_error_line(tmp_path, args, message):
     assert not out.exists()
 
 
+def test_an_output_dir_that_is_a_file_is_one_error_line(tmp_path):
+    out = tmp_path / "a_file"
+    out.write_text("not a directory")
+    result = cli("--tasks", "py_count", "--methods", "exact", "--limit", "1", "--output-dir", str(out))
+    assert result.returncode == 2 and result.stderr == f"error: --output-dir: {out} exists and is not a directory\n"
+
+
 def test_data_dir_without_the_task_file(tmp_path):
     result = cli("--data-dir", str(tmp_path), "--tasks", "qasper", "--output-dir", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stderr.startswith("error: --data-dir: neither qasper.jsonl")

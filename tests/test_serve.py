@@ -92,6 +92,10 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--press-option", "window_size=-3"], "window_size"),
         (["--press-option", "snapkv.window_size=8"], "--press-option"),
         (["--press-option", "no_such_field=1"], "--press-option"),
+        (["--cache-memory", "1e400"], "--cache-memory"),  # overflowed to a traceback
+        (["--cache-memory", "nan"], "--cache-memory"),
+        (["--threads", "-1"], "--threads: must be an integer >= 1"),  # a traceback from torch
+        (["--threads", "0"], "--threads: must be an integer >= 1"),  # silently ignored
     ],
 )
 def test_cli_rejects_bad_flags_before_loading_the_model(argv, message, capsys):
@@ -126,7 +130,7 @@ def main_rejects(argv: list[str], capsys) -> str:
 def test_parse_bytes():
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1000") == 1000
-    for bad in ("two", "-1GiB", "3XB"):
+    for bad in ("two", "-1GiB", "3XB", "1e400", "nan", "inf", "1e10TiB"):
         with pytest.raises(ValueError, match="--cache-memory"):
             parse_bytes(bad)
 

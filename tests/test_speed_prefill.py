@@ -91,5 +91,5 @@ def test_breakdown_settings_choose_the_rows_and_reject_an_unknown_name(tmp_path:
     assert speed.main([*ARGS, "--breakdown-settings", *chosen, "--e2e-repeats", "1", "--output", str(output)]) == 0
     rows = json.loads(output.read_text())["prefill_breakdown"]["rows"]
     assert [r["setting"] for r in rows] == chosen and all("error" not in r for r in rows)
-    with pytest.raises(ValueError, match="breakdown_settings: choose from .*default.*got"):
+    with pytest.raises(SystemExit, match="breakdown_settings: choose from .*default.*got"):
         speed.main([*ARGS, "--breakdown-settings", "defualt"])

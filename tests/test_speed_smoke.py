@@ -110,9 +110,12 @@ def test_backend_keyword_is_passed_when_present(tmp_path: Path, monkeypatch: pyt
     assert [r["backend"] for r in data["kernels"]["compress_kv"]] == ["auto", "torch"]
 
 
-def test_cpu_without_smoke_is_refused() -> None:
-    with pytest.raises(RuntimeError, match="--smoke"):
-        speed.main(["--device", "cpu", "--only", "bandwidth"])
+def test_cpu_without_smoke_and_bad_sizes_are_refused_in_one_line() -> None:
+    for argv, message in ((["--device", "cpu", "--only", "bandwidth"], "--smoke"),
+                          (["--smoke", "--repeats", "0"], "^speed: repeats: must be >= 1, got 0$"),
+                          (["--smoke", "--threads", "-1"], "^speed: threads: must be >= 1, got -1$")):  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            speed.main(argv)
 
 
 @pytest.mark.parametrize("flags, during", [([], True), (["--no-cudnn-sdpa"], False)])

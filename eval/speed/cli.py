@@ -21,8 +21,11 @@ from eval.speed.report import check_goals, environment, report
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected sections, print the tables and write the JSON."""
-    cfg = resolve_config(argv)
-    device = resolve_device(cfg)
+    try:
+        cfg = resolve_config(argv)
+        device = resolve_device(cfg)
+    except (ValueError, RuntimeError) as exc:  # a flag out of range, or no GPU for the full sizes: one line
+        raise SystemExit(f"speed: {exc}") from None
     dtype = DTYPES[cfg.dtype]
     output = Path(cfg.output or ("results/speed/speed_smoke.json" if cfg.smoke else "results/speed/speed.json"))
     print(f"config: {asdict(cfg)}")

@@ -218,28 +218,16 @@ def resolve_config(argv: list[str] | None = None) -> Config:
         raise ValueError(f"kept: must be in (0, 1), got {cfg.kept}")
     if any(len(pair) != 2 or min(pair) < 1 for pair in cfg.decode_heads):
         raise ValueError(f"decode_heads: need [kv_heads, group] pairs >= 1, got {cfg.decode_heads}")
-    sizes = [
-        cfg.repeats,
-        cfg.bandwidth_mib,
-        cfg.compress_n,
-        cfg.compress_d,
-        cfg.decode_d,
-        cfg.bin_rank,
-        cfg.e2e_repeats,
-        cfg.decode_context,
-        cfg.decode_batch,
-        cfg.decode_tokens,
-        *cfg.compress_heads,
-        *cfg.decode_lengths,
-        *cfg.decode_batches,
-        *cfg.prefill_lengths,
-        *cfg.breakdown_lengths,
-        cfg.decode_steps,
-        *cfg.decode_contexts,
-        *cfg.decode_batch_sizes,
-    ]
-    if min(sizes) < 1 or min(cfg.warmup, cfg.e2e_warmup, cfg.decode_warmup, cfg.flush_mib) < 0:
-        raise ValueError("sizes, repeats and token counts must be >= 1; warm-ups and flush_mib >= 0")
+    at_least_one = ("repeats", "bandwidth_mib", "compress_n", "compress_d", "decode_d", "bin_rank", "e2e_repeats",
+                    "decode_context", "decode_batch", "decode_tokens", "compress_heads", "decode_lengths",
+                    "decode_batches", "prefill_lengths", "breakdown_lengths", "decode_steps", "decode_contexts",
+                    "decode_batch_sizes", "threads")  # fmt: skip
+    for low, names in ((1, at_least_one), (0, ("warmup", "e2e_warmup", "decode_warmup", "flush_mib"))):
+        for name in names:
+            value = getattr(cfg, name)
+            for each in value if isinstance(value, list) else [value]:
+                if each is not None and each < low:  # --repeats for repeats, ...: one line naming the key
+                    raise ValueError(f"{name}: must be >= {low}, got {value}")
     return cfg
 
 

@@ -209,6 +209,8 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
 
 
 def _check_run_dir(out: Path, cfg: Config) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir: {out} exists and is not a directory")
     path = out / "run.json"
     if not path.exists():
         return

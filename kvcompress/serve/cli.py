@@ -125,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         capacity = parse_bytes(args.cache_memory)
         if args.max_queue < 1:
             raise ValueError(f"--max-queue: must be an integer >= 1, got {args.max_queue}")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads: must be an integer >= 1, got {args.threads}")
         for flag in ("max_batch", "max_batch_tokens"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: must be an integer >= 1, got {getattr(args, flag)}")
@@ -144,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.store import ContextStore
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -155,6 +155,6 @@ def parse_bytes(text: str) -> int:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in units or value < 0:
+    if unit not in units or not 0 <= value * units.get(unit, 1) < 2**63:  # NaN and 1e400 (inf) fail too
         raise ValueError(f"--cache-memory: expected a size such as 2GiB, 512MiB or 1000000 (bytes), got {text!r}")
     return int(value * units[unit])
