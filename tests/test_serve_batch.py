@@ -375,8 +375,9 @@ def test_bad_inputs_keep_their_errors_and_phases_are_logged(batch_server):
         ok = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=300, json={
             "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3, "temperature": 0})
         assert ok.status_code == 200
-    for body, status, param in BAD_INPUTS:
-        r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    for body, status, param in BAD_INPUTS:  # json.dumps: a lone surrogate escaped (see test_serve)
+        r = httpx.post(f"{base}/v1/chat/completions", content=json.dumps(body),
+                       headers={**headers, "Content-Type": "application/json"}, timeout=60)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (body, r.text)
     log = log_path.read_text()
     for phase in (r"queued: context \d+ tokens", r"prefill\+compress: \d+ context tokens -> \d+ rows in [\d.]+ s",
@@ -452,3 +453,36 @@ def test_prefill_budget_defers_new_contexts_while_sessions_decode_and_lets_follo
     assert at(f"request {a_id} decode: ") < at(f"request {b_id} prefill\\+compress")
     assert at(f"request {b_id} decode: ") < at(f"request {c_id} prefill\\+compress")
     assert prefills_while_decoding == 0
+
+
+def test_admission_names_what_to_change_when_a_request_cannot_fit():
+    """The budget check before queueing (no model: an engine's byte counts only). A context whose compressed cache
+    alone passes the budget is refused naming the prompt, whatever max_tokens; a max_tokens the budget cannot
+    hold, naming max_tokens; without max_tokens the answer is cut to what fits, one token at the least (it
+    needs no batch rows). Before, a prompt that left no room said 'room for -N tokens'."""
+    from types import SimpleNamespace
+
+    from kvcompress.serve.engine import Job, TooLarge
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.scheduler import Scheduler
+
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
+                             batch_row_bytes=100, batch_session_bytes=10)  # fmt: skip
+    scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
+    try:
+        huge = Job(list(range(4004)), [1, 2], max_tokens=1)  # 1001 rows once compressed: 100,100 bytes
+        for job in (huge, Job(huge.context_ids, [1, 2], max_tokens=500, flexible_max=True)):
+            with pytest.raises(TooLarge, match="^the prompt's context needs about") as error:
+                scheduler.submit(job)
+            assert error.value.param == "prompt"
+        with pytest.raises(TooLarge, match=r"^max_tokens: .* room for 2000 tokens") as error:
+            scheduler.submit(Job(list(range(400)), [1, 2], max_tokens=2000))
+        assert error.value.param == "max_tokens"
+        # room: (100,000 - 10) // 100 = 999 batch rows, for the context's rows, the question's 2 and max_tokens - 1
+        for context, expected in ((400, 999 - 100 - 2 + 1), (3992, 1)):  # 100 and 998 context rows
+            job = Job(list(range(context)), [1, 2], max_tokens=5000, flexible_max=True)
+            with pytest.raises(Exception, match="queue"):  # fits: it reaches the (empty) queue
+                scheduler.submit(job)
+            assert job.max_tokens == expected
+    finally:
+        scheduler.stop()

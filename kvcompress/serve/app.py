@@ -75,19 +75,21 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         return Job(context_ids, question_ids, max_tokens, temperature, top_p, req.seed, req.stop,
                    flexible_max=flexible)
 
-    async def start(job: Job) -> None:
+    async def start(job: Job, prompt_field: str) -> None:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         try:
             engine.submit(job)
         except QueueFull as err:
             raise ApiError(429, f"queue: {err}", "queue", "queue_full", {"Retry-After": str(err.retry_after)}) from None
         except TooLarge as err:
-            raise ApiError(413, str(err), "max_tokens", "memory_budget_exceeded") from None
+            param = prompt_field if err.param == "prompt" else err.param
+            message = str(err) if str(err).startswith(param) else f"{param}: {err}"
+            raise ApiError(413, message, param, "memory_budget_exceeded") from None
 
     async def respond(request: Request, req, job: Job, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         job.rid = rid
-        await start(job)
+        await start(job, "messages" if kind == "chat" else "prompt")
         if req.stream:
             events = stream_events(request, job, rid, kind, req)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -35,7 +35,12 @@ class QueueFull(Exception):
 
 
 class TooLarge(Exception):
-    """A request that could not fit the memory budget even with nothing else resident."""
+    """A request that could not fit the memory budget even with nothing else resident; ``param``: what to change
+    (``max_tokens``, or ``prompt`` when the prompt alone leaves no room: the route names its own prompt field)."""
+
+    def __init__(self, message: str, param: str = "max_tokens"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass

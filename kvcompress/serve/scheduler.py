@@ -92,10 +92,15 @@ class Scheduler:
         alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))  # the stored copy may be dropped
         if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
             room = (self.memory - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
-            job.max_tokens = min(job.max_tokens, room - (need - job.max_tokens))
+            job.max_tokens = max(1, min(job.max_tokens, room - (need - job.max_tokens)))  # 1: no batch rows
             need, _, _ = self._estimate(job, peek=True)
             alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))
-        if alone > self.memory or job.max_tokens < 1:
+        if context_bytes > self.memory:  # whatever max_tokens: the compressed context alone is too large
+            raise TooLarge(
+                f"the prompt's context needs about {context_bytes / 2**20:.1f} MiB resident once compressed, more "
+                f"than the server's memory budget of {self.memory / 2**20:.1f} MiB (--cache-memory); send a "
+                "shorter context", "prompt")
+        if alone > self.memory:
             raise TooLarge(
                 f"max_tokens: this request needs about {alone / 2**20:.1f} MiB resident (its context's cache and "
                 f"room for {job.max_tokens} tokens), more than the server's memory budget of "
