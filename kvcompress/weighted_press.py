@@ -344,7 +344,10 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         for (layer_idx, _), pair in zip(flags, finite, strict=True):
             for name, ok in zip(("keys", "values"), pair, strict=True):
                 if not ok:
-                    raise ValueError(f"layer {layer_idx} {name}: contains NaN or Inf")
+                    raise ValueError(
+                        f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
+                        "cache holds this prefill's layers: start again from a new cache)"
+                    )
 
     def _prefilling(self, cache_position: torch.Tensor, n: int) -> bool:
         """kvpress's ``is_prefilling``, read once per decoder call: its layers share one ``cache_position`` tensor,
