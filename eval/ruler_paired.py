@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvcompress.longbench.cli import parse_config
-from kvcompress.longbench.config import task_list
+from kvcompress.longbench.config import UsageError, task_list
 from kvcompress.longbench.data import load_task, select
 from kvcompress.ruler.scoring import example_score, paired_difference
 from kvcompress.ruler.tasks import TASKS
@@ -30,23 +30,36 @@ def example_scores(run_dir: str, method: str, answers: dict | None = None) -> di
     runs made with the same settings rebuild their contexts once (the tokenizer and generator take seconds)."""
     run = Path(run_dir)
     settings = json.loads((run / "run.json").read_text())["settings"]
-    argv = ["--benchmark", "ruler", "--length", str(settings["length"]), "--seed", str(settings["seed"])]
-    argv += ["--tasks", *settings["tasks"]]
-    argv += ["--model", settings["model"]] if settings.get("model") else []
-    argv += ["--limit", str(settings["limit"])] if settings.get("limit") else []
-    cfg = parse_config([*argv, "--methods", method])
+    argv = ["--benchmark", "ruler"]  # a setting the run left at its default (None) stays at the default
+    for flag, key in (("--length", "length"), ("--seed", "seed"), ("--model", "model")):
+        argv += [flag, str(settings[key])] if settings.get(key) is not None else []
+    argv += ["--tasks", *settings["tasks"]] if settings.get("tasks") else []
     answers = {} if answers is None else answers
     scores: dict[str, dict[str, float]] = {}
-    for task in task_list(cfg):
-        if (task, *argv) not in answers:
-            answers[(task, *argv)] = {example.key: example.expected for example in select(load_task(task, cfg), cfg)}
-        expected = answers[(task, *argv)]
+    for task in task_list(parse_config([*argv, "--methods", method])):
         path = run / "predictions" / method / f"{task}.jsonl"
         if not path.exists():
             raise ValueError(f"{run_dir}: no predictions of {method!r} for {task} ({path})")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = {}
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interrupted run, as the harness skips it
+            rows.setdefault(row["key"], row)  # the first row of a key, as the harness keeps it
+        # run.json holds the last run's --limit; an earlier run in the same directory may have predicted more
+        limit = settings.get("limit") and max(settings["limit"], len(rows))
+        context = (task, *argv, limit)
+        if context not in answers:
+            limited = ["--limit", str(limit)] if limit else []
+            cfg = parse_config([*argv, "--tasks", task, "--methods", method, *limited])
+            answers[context] = {example.key: example.expected for example in select(load_task(task, cfg), cfg)}
+        expected = answers[context]
+        unknown = sorted(set(rows) - set(expected))
+        if unknown:
+            raise ValueError(f"{run_dir}: {task} predictions of contexts its settings do not make, e.g. {unknown[0]}")
         metric = TASKS[task].metric
-        scores[task] = {r["key"]: 100 * example_score(metric, r["prediction"], expected[r["key"]]) for r in rows}
+        scores[task] = {key: 100 * example_score(metric, r["prediction"], expected[key]) for key, r in rows.items()}
     return scores
 
 
@@ -67,14 +80,17 @@ def pooled_scores(run_dirs: list[str], method: str, answers: dict | None = None)
 
 
 def compare(first: dict[str, dict[str, float]], second: dict[str, dict[str, float]]) -> dict:
-    """The paired difference over the tasks and contexts both runs scored."""
+    """The paired difference over the tasks and contexts both runs scored (``left_out``: the tasks only one run
+    scored, which the difference leaves out)."""
     tasks = sorted(set(first) & set(second))
     shared = {task: sorted(set(first[task]) & set(second[task])) for task in tasks}
     if not tasks or not all(shared.values()):
         raise ValueError(f"runs: no shared contexts in some task ({ {t: len(k) for t, k in shared.items()} })")
     a = {task: [first[task][key] for key in keys] for task, keys in shared.items()}
     b = {task: [second[task][key] for key in keys] for task, keys in shared.items()}
-    return paired_difference(a, b) | {"contexts": {task: len(keys) for task, keys in shared.items()}}
+    left_out = sorted(set(first) ^ set(second))
+    return paired_difference(a, b) | {"contexts": {task: len(keys) for task, keys in shared.items()},
+                                      "left_out": left_out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,13 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         first = pooled_scores(args.run_a.split(","), args.method_a)
         result = compare(first, pooled_scores(args.run_b.split(","), args.method_b))
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, UsageError) as error:
         raise SystemExit(f"error: {error}") from None
     contexts = ", ".join(f"{task} {n}" for task, n in result["contexts"].items())
     print(
         f"{args.method_a} ({args.run_a}) {result['first']:.2f} - {args.method_b} ({args.run_b}) {result['second']:.2f}"
         f" = {result['difference']:+.2f} [95% paired interval {result['low']:+.2f}, {result['high']:+.2f}];"
-        f" contexts: {contexts}"
+        f" contexts: {contexts}" + (f"; tasks only one run scored, left out: {', '.join(result['left_out'])}"
+                                    if result["left_out"] else "")
     )
     return 0
 

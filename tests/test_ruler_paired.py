@@ -95,3 +95,38 @@ def test_runs_of_several_seeds_pool_per_task(tmp_path, monkeypatch, capsys):
     assert ruler_paired.main([",".join(a), "compresskv", ",".join(b), "snapkv"]) == 0  # the CLI's comma-separated runs
     printed = capsys.readouterr().out
     assert "66.67 - snapkv" in printed and "16.67 = +50.00" in printed and "contexts: niah_single 6" in printed
+
+
+def test_a_run_with_the_harness_defaults_and_a_later_smaller_limit(tmp_path, monkeypatch):
+    """README's first command leaves --tasks and --length at their defaults (run.json holds None), and a later run
+    into the same directory with a smaller --limit rewrites run.json: the run's contexts are still rebuilt, every
+    default task's, as many as were predicted (this crashed on None and then on the keys past the new limit). A
+    cut last line is skipped and a repeated key keeps its first row, as the harness does."""
+    from kvcompress.longbench.cli import parse_config
+    from kvcompress.longbench.config import task_list
+
+    tasks = task_list(parse_config(["--benchmark", "ruler", "--methods", "exact"]))
+    contexts = {task: [Example(f"{task}-{i}", [[f"v{i}"]]) for i in range(3)] for task in tasks}
+    seen = []
+
+    def load_task(task, cfg):
+        seen.append((task, cfg.length, cfg.limit))
+        return contexts[task]
+
+    monkeypatch.setattr(ruler_paired, "load_task", load_task)
+    monkeypatch.setattr(ruler_paired, "select", lambda examples, cfg: examples[: cfg.limit])
+    run = tmp_path / "run"
+    write_run(run, "exact", 0, 3, contexts, right=2)
+    settings = dict(length=None, seed=0, tasks=None, model=None, limit=1)  # the later run's --limit 1
+    (run / "run.json").write_text(json.dumps({"settings": settings}))
+    first = run / "predictions" / "exact" / f"{tasks[0]}.jsonl"
+    first.write_text(first.read_text() + json.dumps({"key": f"{tasks[0]}-0", "prediction": ["no idea"]}) + "\n{cut")
+    scores = ruler_paired.example_scores(str(run), "exact")
+    assert sorted(scores) == sorted(tasks)
+    assert all(s == {f"{task}-0": 100, f"{task}-1": 100, f"{task}-2": 0} for task, s in scores.items())
+    default_length = parse_config(["--benchmark", "ruler", "--methods", "exact"]).length
+    assert {(length, limit) for _, length, limit in seen} == {(default_length, 3)}
+    extra = run / "predictions" / "exact" / f"{tasks[1]}.jsonl"
+    extra.write_text(extra.read_text() + json.dumps({"key": "elsewhere-9", "prediction": ["x"]}) + "\n")
+    with pytest.raises(ValueError, match=f"{tasks[1]} predictions of contexts its settings do not make"):
+        ruler_paired.example_scores(str(run), "exact")
