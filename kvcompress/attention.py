@@ -65,6 +65,8 @@ def weighted_attention(
         raise ValueError(f"values: shape {tuple(values.shape)} must be [{batch}, {heads_kv}, {n}, d_v]")
     if weights.shape != keys.shape[:3]:
         raise ValueError(f"weights: shape {tuple(weights.shape)} must be {tuple(keys.shape[:3])}")
+    if dim < 1:
+        raise ValueError(f"queries: head dim d must be >= 1, got shape {tuple(queries.shape)}")
     if heads_kv < 1 or heads_q % heads_kv:
         raise ValueError(f"queries: h_q={heads_q} must be a multiple of the key heads h_kv={heads_kv}")
     if n < 1:
@@ -75,6 +77,9 @@ def weighted_attention(
             check_float_tensor(name, bound, ndim=3)
             if bound.shape != (batch, heads_kv, d_v):
                 raise ValueError(f"{name}: shape {tuple(bound.shape)} must be {(batch, heads_kv, d_v)}")
+    for name, x in (("weights", weights), ("v_min", v_min), ("v_max", v_max)):
+        if x is not None and x.device != queries.device:
+            raise ValueError(f"{name}: must be on the queries' device {queries.device}, got {x.device}")
     scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
     if causal_offset is not None:
         check_int_range("causal_offset", causal_offset, 0)
@@ -94,6 +99,8 @@ def weighted_attention(
         if v_min is not None and v_max is not None and bool((v_min > v_max).any()):
             raise ValueError("v_min: must be <= v_max in every entry (the clip range [v_min, v_max])")
 
+    if batch * heads_q * m == 0:  # no query: nothing to attend (the fused backends do not take empty launches)
+        return values.new_zeros(batch, heads_q, m, d_v)
     kwargs = dict(scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=causal_offset, key_mask=key_mask)
     if backend == "flex":
         try:
@@ -101,7 +108,7 @@ def weighted_attention(
         except ImportError as exc:
             raise ImportError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.9)") from exc
 
-        reason = weighted_flex.unsupported_reason(weights, key_mask)
+        reason = weighted_flex.unsupported_reason(weights, key_mask, values)
         if reason is not None:
             raise ValueError(f"backend='flex': {reason}; use backend='triton', 'torch' or 'auto'")
         return weighted_flex.flex_weighted_attention(queries, keys, values, weights, **kwargs)
@@ -196,13 +203,15 @@ def merge_partial_attentions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention from its parts over disjoint sets of keys (FlashDecoding's split-K combination): ``lse [S, ...]``
     each part's log-sum-exp (natural log, or log2 with ``base2``; -inf where a part saw no key), ``out [S, ..., d]``
-    each part's normalised output. Returns the whole's log-sum-exp ``[...]`` (-inf where no part saw a key) and output
-    ``[..., d]`` (0 there), in the inputs' dtype: pass float32 or wider."""
+    each part's normalised output (not read where its lse is -inf: 0 there, or a softmax's NaN). Returns the whole's
+    log-sum-exp ``[...]`` (-inf where no part saw a key) and output ``[..., d]`` (0 there), in the inputs' dtype:
+    pass float32 or wider."""
     top = lse.amax(0)
     top = torch.where(top == -math.inf, 0.0, top)
     share = torch.exp2(lse - top) if base2 else torch.exp(lse - top)  # each part's share of a row's denominator
     total = share.sum(0)
     denominator = total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    out = torch.where((lse == -math.inf)[..., None], 0.0, out)  # a part that saw no key: its NaN (0/0) counts 0
     merged = torch.einsum("s...,s...d->...d", share, out).div_(denominator)
     log_total = torch.log2(total) if base2 else torch.log(total)
     return torch.where(total > 0, top + log_total, -math.inf), merged

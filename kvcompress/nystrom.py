@@ -44,10 +44,12 @@ def kernel_coefficient(
 ) -> torch.Tensor:
     """a = beta / tau^2, the coefficient of the RPNys kernel exp(a <x, y>), float64.
 
-    A bin whose recentred keys are all zero (R_K = 0) gets a = 0: its kernel is constant either way.
+    A bin whose recentred keys are all zero (R_K = 0; one key, or equal keys) gets a = 0: its kernel is constant
+    either way (the radii stand in for 1 there, also a query radius taken from those keys, so no 0 / 0 is formed).
     """
     flat = key_radius <= 0
-    tau = temperature(scaling, query_radius, torch.where(flat, torch.ones_like(key_radius), key_radius), n)
+    one = torch.ones_like(key_radius)
+    tau = temperature(scaling, torch.where(flat, one, query_radius), torch.where(flat, one, key_radius), n)
     return torch.where(flat, torch.zeros_like(tau), scaling / tau**2)
 
 

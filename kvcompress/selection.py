@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvcompress._checks import check_int_range
+
 # Logits materialised at once by the chunked PyTorch path of attention_mass, in elements. On CPU 4 MiB of float32:
 # chunks that stay in cache ran 1.6x faster than 256 MiB ones (one thread, 2k keys, 9 heads) and bound the peak;
 # on an accelerator (where this path is only the fallback of the fused kernel) 256 MiB, for large launches.
@@ -216,7 +218,9 @@ def induction_score(
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Average-pool ``[..., n]`` scores over neighbouring keys (SnapKV's smoothing); odd ``kernel_size``."""
-    if kernel_size <= 1:
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size: must be an odd int >= 1, got {kernel_size!r}")
+    if kernel_size == 1:
         return scores
     shape = scores.shape
     pooled = F.avg_pool1d(scores.reshape(-1, 1, shape[-1]), kernel_size, stride=1, padding=kernel_size // 2)
@@ -232,7 +236,9 @@ def normalise(scores: torch.Tensor) -> torch.Tensor:
 def top_rows(scores: torch.Tensor, rows: int) -> torch.Tensor:
     """Indices of the ``rows`` highest scores per ``[..., n]`` row, in position order: ``[..., rows]`` int64.
 
-    Ties break toward the earlier position, so equal scores give the same rows on every run.
+    Ties break toward the earlier position, so equal scores give the same rows on every run; a NaN score ranks last.
     """
+    check_int_range("rows", rows, 0, scores.shape[-1])
+    scores = torch.where(scores.isnan(), -math.inf, scores)  # torch's descending sort puts NaN first
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :rows]
     return order.sort(-1).values

@@ -26,13 +26,19 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 _compiled = None
 
 
-def unsupported_reason(weights: torch.Tensor, key_mask: torch.Tensor | None) -> str | None:
+def unsupported_reason(weights: torch.Tensor, key_mask: torch.Tensor | None, values: torch.Tensor) -> str | None:
     """Why the FlexAttention path cannot run these (validated) inputs, or None (one device sync)."""
-    bad = weights <= 0
-    if key_mask is not None:
-        bad = bad & key_mask[:, None, :]
-    if bool(bad.any()):
+    visible = torch.ones_like(weights, dtype=torch.bool)
+    visible = visible if key_mask is None else visible & key_mask[:, None, :]
+    bad = (weights <= 0) & visible
+    # The values it attends over, V / w, in the values' dtype: a small weight on a 16-bit row can overflow it.
+    largest = values.float().abs().amax(-1) / weights.float().clamp_min(torch.finfo(torch.float32).tiny)
+    overflow = (largest > torch.finfo(values.dtype).max) & visible & ~bad
+    bad_weight, too_large = torch.stack([bad.any(), overflow.any()]).tolist()
+    if bad_weight:
         return "every visible weight must be > 0 (log w bias); zero or negative weights need numerator/denominator"
+    if too_large:
+        return f"values / weights overflow {values.dtype} (a weight too small for its row's values)"
     return None
 
 

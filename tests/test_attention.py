@@ -128,6 +128,9 @@ def _good():
         (lambda q, k, v, w: (q, k, v, w), {"causal_offset": -1}, "causal_offset"),
         (lambda q, k, v, w: (q, k, v, w), {"scaling": -0.1}, "scaling"),
         (lambda q, k, v, w: (q, k[:, :, :0], v[:, :, :0], w[..., :0]), {}, "keys"),  # no key row at all
+        (lambda q, k, v, w: (q[..., :0], k[..., :0], v, w), {}, "queries"),  # head dim 0
+        (lambda q, k, v, w: (q, k, v, w.to("meta")), {}, "weights"),  # another device than the queries'
+        (lambda q, k, v, w: (q, k, v, w), {"v_max": torch.ones(1, 2, 8, device="meta")}, "v_max"),
         (lambda q, k, v, w: (q, k, v, w), {"v_min": torch.full((1, 2, 8), 0.5), "v_max": torch.rand(1, 2, 8) * 0.49},
          "v_min"),  # an empty clip range
     ],
@@ -135,6 +138,21 @@ def _good():
 def test_bad_input_names_the_parameter(change, kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         weighted_attention(*change(*_good()), **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+@pytest.mark.parametrize("empty", ["batch", "heads", "queries"])
+def test_no_query_gives_an_empty_output(backend, empty):
+    q, k, v, w = random_inputs(2, 4, 2, 3, 9, 8, seed=3)
+    w = w.abs() + 0.1  # flex takes positive weights only
+    if empty == "batch":
+        q, k, v, w = q[:0], k[:0], v[:0], w[:0]
+    elif empty == "heads":
+        q = q[:, :0]
+    else:
+        q = q[:, :, :0]
+    out = weighted_attention(q, k, v, w, backend=backend)
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and out.dtype == v.dtype
 
 
 def random_key_mask(batch, n, seed):
@@ -234,3 +252,7 @@ def test_merging_partial_attentions_is_the_attention_over_all_keys(base2, dtype,
     seen = whole_lse > -math.inf
     assert (merged_lse - expected_lse)[seen].abs().max().item() <= tol * 10
     assert (merged_out - expected).abs().max().item() <= tol * 10
+    # A part that saw no key may hand over NaN (a softmax over -inf logits is 0 / 0): it still counts for nothing.
+    out[1] = torch.full_like(out[1], math.nan)
+    again = merge_partial_attentions(torch.stack(lse).to(dtype), torch.stack(out).to(dtype), base2=base2)[1]
+    assert torch.equal(again, merged_out)

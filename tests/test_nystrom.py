@@ -229,6 +229,21 @@ def test_each_problem_gets_its_own_query_radius():
     assert changed >= 4  # all but the largest radius's problem, unless a coreset ignores R_Q
 
 
+@pytest.mark.parametrize("n, rank, bins", [(1, 1, 1), (8, 2, 1), (8, 2, 2)])
+def test_keys_that_recentre_to_zero_compress_exactly(n, rank, bins):
+    """One key, or equal keys: every recentred key is 0 (R_K = 0), and with the default query radius (R_Q = R_K)
+    the temperature formula would divide 0 by 0 (it raised in lambert_w0). The kernel is constant there: the
+    coreset carries the whole mass, and its attention is the exact one (every logit equal) to float64 rounding."""
+    gen = torch.Generator().manual_seed(n + bins)
+    keys = torch.randn(1, 1, 1, 16, generator=gen, dtype=torch.float64).expand(1, 1, n, 16).contiguous()
+    values = torch.randn(1, 1, n, 8, generator=gen, dtype=torch.float64)
+    k_s, v_s, w = compress_kv(keys, values, rank, bins=bins, seed=0)
+    assert w.sum().item() == pytest.approx(n, abs=1e-12)
+    queries = torch.randn(1, 2, 3, 16, generator=gen, dtype=torch.float64)
+    out = weighted_attention(queries, k_s, v_s, w)
+    torch.testing.assert_close(out, exact_attention(queries, keys, values, 0.25), rtol=1e-12, atol=1e-12)
+
+
 def test_large_key_norms_stay_finite():
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 2, 512, 64, generator=gen) * torch.logspace(-1, 1.8, 512)[:, None]  # norms up to ~500

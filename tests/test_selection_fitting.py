@@ -49,6 +49,14 @@ def test_pool_normalise_and_top_rows():
     # Highest first, ties toward the earlier position, returned in position order.
     assert top_rows(scores, 2).tolist() == [[2, 5]]
     assert top_rows(torch.ones(1, 6), 3).tolist() == [[0, 1, 2]]
+    with_nan = torch.tensor([[0.5, float("nan"), 0.9, 0.1]])
+    assert top_rows(with_nan, 2).tolist() == [[0, 2]] and top_rows(with_nan, 4).tolist() == [[0, 1, 2, 3]]
+    for rows in (-1, 9, True, 2.0):  # was: -1 gave n - 1 rows, 9 gave n, True gave 1
+        with pytest.raises(ValueError, match=r"^rows: must be an int in \[0, 8\]"):
+            top_rows(scores, rows)
+    for kernel in (4, 0, 2.0):  # an even kernel crashed in a reshape
+        with pytest.raises(ValueError, match="^kernel_size: must be an odd int >= 1"):
+            pool_scores(scores, kernel)
 
 
 def _exact_output(queries, keys, values, scaling):

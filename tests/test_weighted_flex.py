@@ -72,3 +72,18 @@ def test_flex_refuses_visible_nonpositive_weights(bad):
     mask = torch.ones(1, 30, dtype=torch.bool)
     mask[0, 7] = False  # the same weight hidden by key_mask is fine
     weighted_attention(q, k, v, w, backend="flex", key_mask=mask)
+
+
+def test_flex_refuses_a_weight_whose_values_would_overflow_their_dtype():
+    """FlexAttention attends over V / w in the values' dtype: a float16 row of values ~1 under w = 1e-5 overflows
+    (it returned Inf). Refused, naming the overflow; the same weight on float32 values, or hidden, runs."""
+    q, k, v, w, _ = positive_inputs(1, 2, 1, 5, 30, 16, torch.float16, seed=2)
+    w[0, 0, 3] = 1e-5
+    with pytest.raises(ValueError, match=r"backend='flex': values / weights overflow torch.float16"):
+        weighted_attention(q, k, v, w, backend="flex")
+    mask = torch.ones(1, 30, dtype=torch.bool)
+    mask[0, 3] = False
+    assert torch.isfinite(weighted_attention(q, k, v, w, backend="flex", key_mask=mask)).all()
+    out = weighted_attention(q.float(), k.float(), v.float(), w, backend="flex")
+    exact = weighted_attention(q.double(), k.double(), v.double(), w.double(), backend="torch")
+    torch.testing.assert_close(out.double(), exact, rtol=TOL[torch.float32], atol=TOL[torch.float32])
