@@ -98,10 +98,12 @@ def _solve(
     k, k]`` with any leading dimensions (the held-out and the full fit in one batch); returns ``[..., P, T, k]``,
     ``[..., P, T, k, d]``."""
     k = gram.shape[-1]
-    diag = gram.diagonal(dim1=-2, dim2=-1)
-    scale = diag.mean(dim=(-1, -2), keepdim=True).clamp_min(1e-300)[..., None]  # per problem
+    real = ~pad
+    diag = gram.diagonal(dim1=-2, dim2=-1) * real  # padded slots (copies of the last kept row) left out of the mean
+    count = real.sum(dim=(-1, -2), keepdim=True).clamp_min(1)
+    scale = (diag.sum(dim=(-1, -2), keepdim=True) / count).clamp_min(1e-300)[..., None]  # mean over the kept rows
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    system = gram * ~pad[..., :, None] * ~pad[..., None, :] + ridge * scale * eye
+    system = gram * real[..., :, None] * real[..., None, :] + ridge * scale * eye
     # No error check (a device sync): the system is SPD (ridge > 0); a factor that failed anyway gives a fit the
     # held-out error checks judge like any other (NaN never passes them: that head keeps its unfitted rows).
     factor = torch.linalg.cholesky_ex(system).L

@@ -8,7 +8,7 @@ import torch
 from kvcompress import selection
 from kvcompress.fitting import fit_kept_rows
 from kvcompress.selection import attention_mass, normalise, pool_scores, top_rows
-from tests.references import float64_attention_mass
+from tests.references import float64_attention_mass, float64_bin_fit
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -57,6 +57,34 @@ def test_pool_normalise_and_top_rows():
     for kernel in (4, 0, 2.0):  # an even kernel crashed in a reshape
         with pytest.raises(ValueError, match="^kernel_size: must be an odd int >= 1"):
             pool_scores(scores, kernel)
+
+
+@pytest.mark.parametrize(
+    "batch, heads_kv, group, r, bin_rows, protect, causal",
+    [(1, 1, 1, 6, 4, 2, False), (1, 1, 1, 7, 3, 2, True), (2, 2, 3, 9, 4, 2, False), (1, 1, 2, 10, 4, 0, False)],
+)
+def test_fit_equals_its_float64_definition(batch, heads_kv, group, r, bin_rows, protect, causal):
+    """The accepted fits' weights and values against the documented equations in float64 (tests/references.py),
+    bins that do not divide the kept rows included: the ridge is ``ridge x`` the mean Gram diagonal over the kept
+    rows (it counted the last bin's padded slots, copies of its last row, with up to 0.5 of error in w). Tolerance:
+    float32 probabilities and sums (~1e-7 relative) through the ridge-bounded solves: 1e-5."""
+    gen = _generator(40 + r)
+    n, m, d = 24, 12, 16
+    keys = torch.randn(batch, heads_kv, n, d, generator=gen)
+    values = torch.randn(batch, heads_kv, n, d, generator=gen)
+    queries = torch.randn(batch, heads_kv * group, m, d, generator=gen)
+    protected = torch.zeros(n, dtype=torch.bool)
+    protected[:protect], protected[n - protect :] = True, True
+    free = (~protected).nonzero()[:, 0]
+    kept = torch.stack([torch.stack([free[torch.randperm(len(free), generator=gen)[:r]].sort().values
+                                     for _ in range(heads_kv)]) for _ in range(batch)])  # fmt: skip
+    positions = torch.arange(n - m, n) if causal else None
+    result = fit_kept_rows(keys, values, kept, protected, queries, 0.25, query_positions=positions,
+                           bin_rows=bin_rows, backend="torch")  # fmt: skip
+    weights, fitted = float64_bin_fit(keys, values, kept, protected, queries, 0.25, positions, bin_rows=bin_rows)
+    assert result.accepted.all()
+    torch.testing.assert_close(result.weights.double(), weights, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result.values.double(), fitted, rtol=1e-5, atol=1e-5)
 
 
 def _exact_output(queries, keys, values, scaling):
