@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    identity = dict(model=cfg.model or EMBEDDED_MODEL, dtype=cfg.dtype)
+    identity = dict(model=cfg.model or EMBEDDED_MODEL, dtype=cfg.dtype, device=cfg.device)
     try:
         contexts, rows = run_study(pipe, cfg, identity, run=not cfg.report_only)
     except ValueError as exc:

@@ -134,6 +134,9 @@ def test_press_options_from_yaml_and_flags_reach_the_press_and_the_run_identity(
     assert (press.window_size, press.bin_rank, press.sink_size, press.compression_ratio) == (128, 8, 4, 0.75)
     assert longbench.make_press("snapkv", 0.5, 0, cfg.press_options["snapkv"]).kernel_size == 7
     assert longbench.prediction_settings(cfg)["press_options"] == cfg.press_options
+    cpu = longbench.parse_config(["--model", "some/model", "--device", "cpu"])
+    assert longbench.prediction_settings(cpu)["dtype"] == "float32"  # auto on a CPU: float32, as explicitly asked
+    assert longbench.prediction_settings(cpu)["device"] == "cpu"
     assert (
         longbench.output_dir(cfg).name
         == "SmolLM2-135M-Instruct_0.25_compresskv.bin_rank=8_compresskv.window_size=128_snapkv.kernel_size=7"
@@ -264,9 +267,16 @@ def test_offline_suite_end_to_end_then_resume(tmp_path, embedded_dir):
     assert done.returncode == 0 and "1 predictions to make" in done.stderr
     assert len(lines(path)) == 1 and json.loads((out / "scores.json").read_text())["complete"]
 
-    # Other settings cannot be mixed into this directory.
+    # Other settings cannot be mixed into this directory: the attention implementation is one of them, and the
+    # dtype counts as it resolves here (the embedded run's float32, asked for explicitly, is the same).
     clash = cli(*args, "--ratio", "0.5")
     assert clash.returncode == 2 and "ratio=0.25" in clash.stderr and clash.stderr.count("\n") == 1
+    clash = cli(*args, "--attn-implementation", "eager")
+    assert clash.returncode == 2 and "attn_implementation='sdpa'" in clash.stderr
+    assert cli(*args, "--dtype", "float32", "--score-only").returncode == 0
+    history = json.loads((out / "run.json").read_text())["history"]  # every run kept, the first one first
+    assert len(history) == 5 and history[0]["command"][-len(args) :] == args
+    assert history[-1]["command"][-3:] == ["--dtype", "float32", "--score-only"] and "kvcompress" in history[-1]
 
 
 @pytest.mark.slow

@@ -83,6 +83,8 @@ def check_settings_file(path: Path, settings: dict) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         for key in sorted(set(old) | set(settings)):
+            if key in settings and key not in old:
+                continue  # a settings.json from before that key (the device): not a different setting
             if old.get(key) != settings.get(key):
                 what = "the context list" if key == "contexts" else f"{old.get(key)!r} there, {settings.get(key)!r} now"
                 raise ValueError(
@@ -94,7 +96,7 @@ def check_settings_file(path: Path, settings: dict) -> None:
 
 
 def study_settings(cfg: StudyConfig, contexts: list[Context], identity: dict) -> dict:
-    """What a run directory is tied to (``identity``: the model and its dtype, from the caller)."""
+    """What a run directory is tied to (``identity``: the model, its dtype and device, from the caller)."""
     return dict(
         identity,
         seed=cfg.seed,

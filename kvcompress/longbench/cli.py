@@ -219,11 +219,31 @@ def _check_run_dir(out: Path, cfg: Config) -> None:
     except (json.JSONDecodeError, OSError):
         return
     for key, value in prediction_settings(cfg).items():
+        if key == "dtype" and "device" not in previous:
+            continue  # a run.json older than the resolved dtype: it stored the flag ("auto") as given
         if key in previous and previous[key] != value:
             raise UsageError(
                 f"--output-dir: {out} holds predictions made with {key}={previous[key]!r} (this run: {value!r}); "
                 "use another --output-dir"
             )
+
+
+def _history(path: Path) -> list[dict]:
+    """The earlier runs' entries of ``run.json`` (a run.json from before the history: its one run)."""
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    return previous.get("history") or [{key: previous.get(key) for key in ("command", "settings")}]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvcompress")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _setup_logging(out: Path | None, rank: int) -> None:
@@ -267,6 +287,9 @@ def run(cfg: Config, command: Sequence[str] | None = None) -> int:
             "command": list(command) if command is not None else sys.argv,
             "processes": world,
         }
+        run_info["history"] = _history(out / "run.json") + [  # every run into this directory, the first one first
+            {key: run_info[key] for key in ("command", "settings")} | {"kvcompress": _version(), "at": time.time()}
+        ]
         (out / "run.json").write_text(json.dumps(run_info, indent=1) + "\n", encoding="utf-8")
     failed_marker = out / f".rank{rank}.failed"
     failed_marker.unlink(missing_ok=True)

@@ -237,11 +237,18 @@ def changed_press_options(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def prediction_settings(cfg: Config) -> dict[str, Any]:
-    """What changes a prediction: a resumed run must agree on all of it."""
+    """What changes a prediction: a resumed run must agree on all of it. The device and dtype as they resolve on
+    this machine (``auto``: CUDA where torch sees it; a float32 model on CPU, the checkpoint's dtype on CUDA)."""
+    import torch
+
+    device = "cuda" if cfg.device != "cpu" and (cfg.device_map or torch.cuda.is_available()) else "cpu"
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("checkpoint" if device == "cuda" else "float32")
     return {
         "model": cfg.model or EMBEDDED_LABEL,
         "ratio": cfg.ratio,
-        "dtype": cfg.dtype,
+        "device": device,
+        "dtype": dtype,
+        "attn_implementation": cfg.attn_implementation,
         "seed": cfg.seed,
         "data": data_source(cfg),
         "max_context_length": cfg.max_context_length,
