@@ -206,6 +206,28 @@ def test_contexts_are_deterministic_of_the_requested_length_with_needles_at_thei
     assert any(window[i : i + 16] == tail for i in range(len(window)))  # the source's true next tokens
 
 
+def test_each_seed_takes_slices_no_earlier_seed_took():
+    """Seeds 0, 1, 2 of a study draw disjoint slices of a kind's text while it has free ones (independent draws
+    gave seeds 0 and 1 one shared slice: two near-equal contexts); seed 0's are the plain draw's, and a later seed
+    keeps every slice of its plain draw that no earlier seed took."""
+    import random
+
+    from kvcompress.fidelity.contexts import slot_order
+
+    for kind in ("prose", "code", "mix"):
+        orders = [slot_order(seed, kind, 26, 4) for seed in range(3)]
+        assert orders[0] == random.Random(f"0:{kind}").sample(range(26), 4)
+        assert len({slot for order in orders for slot in order}) == 12
+        for seed in (1, 2):
+            plain = random.Random(f"{seed}:{kind}").sample(range(26), 4)
+            earlier = {slot for order in orders[:seed] for slot in order}
+            assert [a for a, b in zip(orders[seed], plain, strict=True) if a != b] == [
+                a for a, b in zip(orders[seed], plain, strict=True) if b in earlier
+            ] and all((a == b) == (b not in earlier) for a, b in zip(orders[seed], plain, strict=True))
+    assert slot_order(1, "prose", 26, 4)[1] != slot_order(0, "prose", 26, 4)[0]  # the shared slice (19) is replaced
+    assert len(slot_order(1, "prose", 5, 4)) == 4  # too few free slices: an earlier seed's may be taken again
+
+
 def test_context_settings_are_checked(pipe):
     with pytest.raises(ValueError, match="kinds: unknown kind 'poetry'"):
         ctxmod.build_contexts(pipe, ["poetry"], [300], 1, 16)

@@ -8,7 +8,8 @@ Three kinds of text, all shipped with the running CPython (offline):
 * ``mix``: alternating blocks of about ``MIX_BLOCK_TOKENS`` tokens of prose and code (cut after a newline).
 
 Each kind's token stream is cut into slots of ``max(lengths) + continuation + SLACK`` tokens; the contexts of
-one kind take distinct slots (a seeded permutation), so they never overlap. A context's own random draws
+one kind take distinct slots (a seeded permutation), so they never overlap, nor do those of different seeds
+(:func:`slot_order`) while the text has free slots. A context's own random draws
 (its offset inside the slot, its two keys and codes) come from ``Random(f"{seed}:{kind}:{length}:{s}")``.
 Two facts ("Remember this: the passcode for the blue vault is 4821.") are planted as lines at the depths that cycle
 through ``depths`` across contexts; the text (facts included) is ``length`` tokens once the chat template's
@@ -219,6 +220,18 @@ def check_settings(kinds: list[str], lengths: list[int], seeds: int, continuatio
         raise ValueError(f"depths: a non-empty list of numbers in (0, 1), got {depths!r}")
 
 
+def slot_order(seed: int, kind: str, slots: int, count: int) -> list[int]:
+    """The ``count`` slices (of ``slots``) a study with ``seed`` takes from a kind's text: a seeded draw, where a
+    slice an earlier seed (``0 .. seed - 1``, same count) took is replaced by a free one, so that each seed's
+    contexts are fresh text (independent draws shared one slice between seeds 0 and 1: two near-equal contexts).
+    Seed 0's draw, and a later seed's slices no earlier seed took, are those of the plain draw."""
+    taken = {slot for earlier in range(seed) for slot in slot_order(earlier, kind, slots, count)}
+    order = random.Random(f"{seed}:{kind}").sample(range(slots), count)
+    free = [slot for slot in range(slots) if slot not in taken and slot not in order]
+    rng = random.Random(f"{seed}:{kind}:free")
+    return [free.pop(rng.randrange(len(free))) if slot in taken and free else slot for slot in order]
+
+
 def build_contexts(
     pipe,
     kinds: list[str],
@@ -248,7 +261,7 @@ def build_contexts(
                 f"lengths: the {kind} text ({len(corpus.ids)} tokens) holds {slots} disjoint slices of {span} tokens, "
                 f"{len(wanted)} asked (fewer lengths x seeds, or shorter lengths)"
             )
-        order = random.Random(f"{seed}:{kind}").sample(range(slots), len(wanted))
+        order = slot_order(seed, kind, slots, len(wanted))
         for slot, (length, s) in zip(order, wanted, strict=True):
             index = len(contexts)
             rng = random.Random(f"{seed}:{kind}:{length}:{s}")
