@@ -15,7 +15,9 @@ Attention Matching", arXiv 2602.16284, which fits one global system per head):
 
 Both are linear least squares over the queries with the same Gram matrix ``G_t = sum_q a_t a_t^T``
 (``a_t(q)`` = the kept rows' probabilities), regularised toward eviction (``w = 1``, ``V_S = v``) by a
-ridge ``ridge * mean(diag G)``: one batched Cholesky solve per layer, ``[problems, bins, k, k]``.
+ridge ``ridge * mean(diag G)`` over the problem's ``bins x k`` slots (a partial last bin's empty slots count as
+copies of its last kept row: for budgets of hundreds of rows a few percent of the mean, and the published results
+were made so): one batched Cholesky solve per layer, ``[problems, bins, k, k]``.
 ``w`` is clamped to ``[e^-c, e^c]`` (``c = max_log_weight``) so that every weight stays positive.
 
 A fit memorises its queries, so it is validated per (batch row, KV head): fitted on the even-numbered
@@ -98,12 +100,10 @@ def _solve(
     k, k]`` with any leading dimensions (the held-out and the full fit in one batch); returns ``[..., P, T, k]``,
     ``[..., P, T, k, d]``."""
     k = gram.shape[-1]
-    real = ~pad
-    diag = gram.diagonal(dim1=-2, dim2=-1) * real  # padded slots (copies of the last kept row) left out of the mean
-    count = real.sum(dim=(-1, -2), keepdim=True).clamp_min(1)
-    scale = (diag.sum(dim=(-1, -2), keepdim=True) / count).clamp_min(1e-300)[..., None]  # mean over the kept rows
+    diag = gram.diagonal(dim1=-2, dim2=-1)
+    scale = diag.mean(dim=(-1, -2), keepdim=True).clamp_min(1e-300)[..., None]  # per problem
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    system = gram * real[..., :, None] * real[..., None, :] + ridge * scale * eye
+    system = gram * ~pad[..., :, None] * ~pad[..., None, :] + ridge * scale * eye
     # No error check (a device sync): the system is SPD (ridge > 0); a factor that failed anyway gives a fit the
     # held-out error checks judge like any other (NaN never passes them: that head keeps its unfitted rows).
     factor = torch.linalg.cholesky_ex(system).L

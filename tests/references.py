@@ -49,8 +49,9 @@ def float64_bin_fit(keys, values, kept, protected, queries, scaling, positions=N
     non-protected positions from its first kept row to the next bin's (the first also those before it); mass
     ``sum_i p_i w_i ~ sum_{j owned} p_j`` and values ``sum_i p_i V_i ~ sum_{j owned} p_j v_j`` by least squares
     over the queries, regularised toward ``w = 1``, ``V = w v`` by ``ridge x`` the mean of the Gram matrices'
-    diagonals over every kept row of that head; ``w`` clamped to ``[e^-c, e^c]``. Returns weights ``[b, h_kv, r]``
-    and values ``[b, h_kv, r, d_v]``."""
+    diagonals over the head's ``bins x bin_rows`` slots (a partial last bin's empty slots counting as copies of its
+    last kept row); ``w`` clamped to ``[e^-c, e^c]``. Returns weights ``[b, h_kv, r]`` and values
+    ``[b, h_kv, r, d_v]``."""
     batch, heads_kv, n, _ = keys.shape
     group, r = queries.shape[1] // heads_kv, kept.shape[-1]
     weights = torch.zeros(batch, heads_kv, r, dtype=torch.float64)
@@ -73,7 +74,9 @@ def float64_bin_fit(keys, values, kept, protected, queries, scaling, positions=N
                 a = probs[:, mine]
                 systems.append((start, mine, a.T @ a, a.T @ probs[:, owned].sum(-1),
                                 a.T @ (probs[:, owned] @ values[b, h, owned].double())))  # fmt: skip
-            lam = ridge * torch.cat([gram.diagonal() for _, _, gram, _, _ in systems]).mean()
+            diagonal = torch.cat([gram.diagonal() for _, _, gram, _, _ in systems])
+            empty = -(-r // k) * k - r  # the last bin's empty slots
+            lam = ridge * (diagonal.sum() + empty * diagonal[-1]) / (diagonal.numel() + empty)
             for start, mine, gram, mass, value_rhs in systems:
                 system = gram + lam * torch.eye(len(mine), dtype=torch.float64)
                 w = torch.linalg.solve(system, mass + lam).clamp(math.exp(-max_log_weight), math.exp(max_log_weight))

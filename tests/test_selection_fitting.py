@@ -65,9 +65,9 @@ def test_pool_normalise_and_top_rows():
 )
 def test_fit_equals_its_float64_definition(batch, heads_kv, group, r, bin_rows, protect, causal):
     """The accepted fits' weights and values against the documented equations in float64 (tests/references.py),
-    bins that do not divide the kept rows included: the ridge is ``ridge x`` the mean Gram diagonal over the kept
-    rows (it counted the last bin's padded slots, copies of its last row, with up to 0.5 of error in w). Tolerance:
-    float32 probabilities and sums (~1e-7 relative) through the ridge-bounded solves: 1e-5."""
+    bins that do not divide the kept rows included (the ridge's mean then counts the last bin's empty slots as
+    copies of its last row). Tolerance: float32 probabilities and sums (~1e-7 relative) through the ridge-bounded
+    solves: 1e-5."""
     gen = _generator(40 + r)
     n, m, d = 24, 12, 16
     keys = torch.randn(batch, heads_kv, n, d, generator=gen)
