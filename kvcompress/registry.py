@@ -80,12 +80,21 @@ def make_press(name: str, compression_ratio: float, seed: int = 0, **options: An
     single fields of its dataclass (the press checks them). ``seed`` seeds our randomised presses."""
     if name not in METHODS:
         raise ValueError(f"method: unknown method {name!r}; choose from {', '.join(METHODS)}")
+    ratio = compression_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:  # kvpress asserts it
+        raise ValueError(f"compression_ratio: must be a number in [0, 1) (the fraction removed), got {ratio!r}")
     press = METHODS[name].build(compression_ratio, seed)
     if press is None:
         if options:
             raise ValueError(f"method: {name} has no press and takes no options, got {sorted(options)}")
         return None
-    return dataclasses.replace(press, **options) if options else press
+    if not options:
+        return press
+    fields = {f.name for f in dataclasses.fields(press) if f.init}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: {name} has no option {unknown[0]!r}; its options: {', '.join(sorted(fields))}")
+    return dataclasses.replace(press, **options)
 
 
 def parse_press_option(item: str, method: str | None = None) -> tuple[str, str, Any]:
