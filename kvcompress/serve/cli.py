@@ -102,7 +102,9 @@ def press_from_args(args: argparse.Namespace):
         options[name] = value
     try:
         press = make_press(args.method, 1.0 - args.ratio, args.seed, **options)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
+        if not options:
+            raise
         raise ValueError(f"--press-option: {err}") from None
     label = "exact" if press is None else f"{args.method}:{press!r}"
     return press, label
