@@ -25,8 +25,8 @@ def context_kl(run: str, press: str, kept: float) -> dict[str, float]:
     reads it (the first of any repeated row)."""
     path = Path(run)
     path = path / "runs.jsonl" if path.is_dir() else path
-    rows = read_runs(path)
-    kl = {r["context"]: r["kl"] for r in rows if r["press"] == press and r.get("kept") == kept}
+    rows = read_runs(path, repair=False)  # a study may still be appending to it
+    kl = {r["context"]: r["kl"] for r in rows if r["press"] == press and r.get("kept") == kept and "kl" in r}
     if not kl:
         labels = sorted({r["press"] for r in rows if r.get("kept") == kept})
         raise ValueError(f"--pair: {path} has no rows of {press!r} at kept {kept}; it has {labels}")

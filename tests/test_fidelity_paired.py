@@ -43,3 +43,18 @@ def test_a_press_the_run_lacks_is_one_error_naming_the_labels(tmp_path):
         fidelity_paired.main(["--pair", run, "nope", "snapkv"])
     with pytest.raises(SystemExit, match="no rows of 'x' at kept 0.5"):
         fidelity_paired.main(["--pair", run, "x", "snapkv", "--kept", "0.5"])
+
+
+def test_a_failed_press_row_and_a_cut_line_are_skipped_and_the_file_is_left_as_it_is(tmp_path):
+    """A row the study wrote for a press that failed on a context (no 'kl') leaves that context out of the pairing
+    (it raised KeyError); a line cut by a study still appending is skipped, and this reader does not rewrite the
+    file under it."""
+    run = _run(tmp_path, "run", [(c, p, 0.25, 0.1 + i) for i, c in enumerate(("prose-2048-s0", "code-2048-s0"))
+                                 for p in ("x", "snapkv")])  # fmt: skip
+    path = tmp_path / "run" / "runs.jsonl"
+    failed = json.dumps({"context": "mix-2048-s0", "press": "x", "kept": 0.25, "error": "ValueError: ..."})
+    text = path.read_text() + failed + "\n" + json.dumps({"context": "mix-2048-s0", "press": "snapkv"})[:30]
+    path.write_text(text)
+    kl_a, kl_b, names = fidelity_paired.paired_kl([(run, "x", "snapkv")], 0.25)
+    assert names == [f"{run}:code-2048-s0", f"{run}:prose-2048-s0"] and kl_a.tolist() == [1.1, 0.1]
+    assert path.read_text() == text

@@ -154,6 +154,13 @@ def test_offline_suite_is_deterministic_and_committed(tmp_path):
         assert longbench.split_prompt(task, "C", "Q")[2] == spec.answer_prefix
     again = offline_suite.build_task("py_qa", examples=2, seed=5)
     assert again == offline_suite.build_task("py_qa", examples=2, seed=5)
+    # A rebuilt code task's answers all score: a line with "#", "//" or "`" is one code_sim_score skips, so even a
+    # perfect prediction of it scored 0 (2 of 120 answers before these were drawn again).
+    from kvcompress.longbench.metrics import code_sim_score
+
+    for seed in (0, 1):
+        assert all(code_sim_score(r["answers"][0], r["answers"][0]) == 1
+                   for r in offline_suite.build_task("py_code", examples=60, seed=seed))  # fmt: skip
     fact = again[0]["answers"][0]
     assert fact in again[0]["context"]
     count = offline_suite.build_task("py_count", examples=1)[0]

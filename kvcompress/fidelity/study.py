@@ -58,9 +58,10 @@ def row_key(row: dict) -> tuple[str, str, float]:
     return row["context"], row["press"], float(row["kept"])
 
 
-def read_runs(path: Path) -> list[dict]:
+def read_runs(path: Path, repair: bool = True) -> list[dict]:
     """The rows of ``runs.jsonl`` (none if absent), the first of any repeated (context, press, kept) only; a
-    line cut short by an interrupted run is dropped from the file."""
+    line cut short by an interrupted run is skipped, and dropped from the file with ``repair`` (the study, which
+    appends next; a reader of another run's file passes False)."""
     if not path.exists():
         return []
     rows: dict[tuple[str, str, float], dict] = {}
@@ -73,7 +74,7 @@ def read_runs(path: Path) -> list[dict]:
         good.append(line)
         rows.setdefault(row_key(row), row)
     text = "".join(line + "\n" for line in good)
-    if text != path.read_text():
+    if repair and text != path.read_text():
         path.write_text(text)
     return list(rows.values())
 

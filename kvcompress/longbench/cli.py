@@ -125,7 +125,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--limit",
         type=int,
-        help=f"the N shortest examples of each task (default: {embedded.limit} in the embedded run; with --model: all)",
+        help=f"the first N examples of each task, in the data's order (the offline suite's: shortest first; default: "
+        f"{embedded.limit} in the embedded run; with --model: all)",
     )
     p.add_argument(
         "--fraction", type=float, help="a seeded fraction of each task, in (0, 1], before --limit (default: all)"

@@ -239,11 +239,17 @@ def make_code(rng: random.Random, target_tokens: int) -> tuple[str, str, list[st
         if usable:
             break
     target = rng.choice(usable)  # 1-based line number
+    for _ in range(1000):  # a line the metric skips ("#", "//", "`": a comment to code_sim_score) never scores: draw
+        if not any(mark in lines[target - 1] for mark in UNSCORABLE):  # again (the shipped examples drew none)
+            break
+        target = rng.choice(usable)
     end = offsets[target - 1]
     first = next(i for i in range(target) if end - offsets[i] <= chars)
     context = "".join(lines[first : target - 1])
     return context, "", [lines[target - 1].strip()]
 
+
+UNSCORABLE = ("#", "//", "`")  # code_sim_score skips a prediction's lines with these
 
 BUILDERS = {"py_retrieval": make_retrieval, "py_count": make_count, "py_qa": make_qa, "py_code": make_code}
 
