@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress._checks import check_backend
+from kvcompress._checks import check_backend, check_float_tensor, check_int_range, check_positive
 from kvcompress.fit_equations import KeptBins, fused_kernels, normal_equations
 
 
@@ -197,6 +197,10 @@ def fit_kept_rows(
     product with the values; the fit's validation compares against those outputs.
     """
     check_backend(backend)
+    _check_shapes(keys, values, kept, protected, queries)
+    check_int_range("bin_rows", bin_rows, 1)
+    for name, value in (("scaling", scaling), ("ridge", ridge), ("max_log_weight", max_log_weight)):
+        check_positive(name, value)
     if known_rows is not None:
         _check_known_rows(known_rows, queries, values)
     with _tensor_core_products(keys.device, keys.dtype):
@@ -204,6 +208,28 @@ def fit_kept_rows(
             keys, values, kept, protected, queries, scaling, query_positions, bin_rows, ridge, fit_values,
             max_log_weight, backend, known_rows,
         )  # fmt: skip
+
+
+def _check_shapes(keys, values, kept, protected, queries) -> None:
+    """The arguments' kinds and shapes (host checks only: which rows ``kept`` names is the caller's contract)."""
+    for name, x in (("keys", keys), ("values", values), ("queries", queries)):
+        check_float_tensor(name, x, ndim=4)
+    batch, heads_kv, n, dim = keys.shape
+    if values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"values: shape {tuple(values.shape)} must be [{batch}, {heads_kv}, {n}, d_v]")
+    if queries.shape[0] != batch or queries.shape[-1] != dim or queries.shape[1] % heads_kv:
+        raise ValueError(f"queries: shape {tuple(queries.shape)} must be [{batch}, h_q, m, {dim}], h_q a multiple of "
+                         f"{heads_kv}")  # fmt: skip
+    if queries.shape[1] // heads_kv * queries.shape[2] < 2:
+        raise ValueError("queries: the fit needs at least 2 queries per KV head (its validation splits them)")
+    if not isinstance(kept, torch.Tensor) or kept.dtype != torch.int64 or kept.dim() != 3 or kept.shape[:2] != (
+        batch, heads_kv
+    ) or kept.shape[2] < 1:
+        got = f"{kept.dtype} {tuple(kept.shape)}" if isinstance(kept, torch.Tensor) else type(kept).__name__
+        raise ValueError(f"kept: must be int64 [{batch}, {heads_kv}, r >= 1] (sorted kept positions), got {got}")
+    if not isinstance(protected, torch.Tensor) or protected.dtype != torch.bool or protected.shape != (n,):
+        got = f"{protected.dtype} {tuple(protected.shape)}" if isinstance(protected, torch.Tensor) else protected
+        raise ValueError(f"protected: must be a bool tensor of shape [{n}], got {got}")
 
 
 def _check_known_rows(known_rows, queries: torch.Tensor, values: torch.Tensor) -> None:

@@ -290,3 +290,29 @@ def test_fit_on_cuda_with_tensor_core_products_matches_the_float32_fit():
     torch.testing.assert_close(on_gpu.weights.cpu(), weights, rtol=0, atol=20 * 2**-11 * weights.abs().max().item())
     values_bound = (20 * 2**-11 + 2**-8) * on_cpu.values.float().abs().max().item()  # plus one bf16 rounding
     torch.testing.assert_close(on_gpu.values.float().cpu(), on_cpu.values.float(), rtol=0, atol=values_bound)
+
+
+def test_fit_arguments_are_checked_by_name():
+    """Bad arguments are ValueErrors naming them (were: a TypeError for one query per KV head, a ZeroDivisionError
+    for bin_rows=0, index errors deep in the sums for a wrong ``protected``, negative ridges accepted)."""
+    gen = _generator(9)
+    keys, values = torch.randn(1, 1, 20, 8, generator=gen), torch.randn(1, 1, 20, 8, generator=gen)
+    queries, kept = torch.randn(1, 1, 6, 8, generator=gen), torch.tensor([[[5, 9, 12]]])
+    protected = torch.zeros(20, dtype=torch.bool)
+    args = (keys, values, kept, protected, queries, 0.3)
+    assert fit_kept_rows(*args).weights.shape == (1, 1, 3)
+    for change, options, name in (
+        ({"queries": queries[:, :, :1]}, {}, "queries"),
+        ({"kept": kept.int()}, {}, "kept"),
+        ({"kept": kept[0]}, {}, "kept"),
+        ({"protected": protected[:10]}, {}, "protected"),
+        ({"protected": protected.long()}, {}, "protected"),
+        ({"values": values[:, :, :5]}, {}, "values"),
+        ({}, {"bin_rows": 0}, "bin_rows"),
+        ({}, {"ridge": -0.1}, "ridge"),
+        ({}, {"max_log_weight": float("nan")}, "max_log_weight"),
+        ({"scaling": 0.0}, {}, "scaling"),
+    ):
+        named = dict(zip(("keys", "values", "kept", "protected", "queries", "scaling"), args, strict=True)) | change
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            fit_kept_rows(*named.values(), **options)
