@@ -25,6 +25,7 @@ rows (see :mod:`kvcompress.padding`).
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ SUPPORTED_MODELS = (
 
 
 def check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
     bad = bad or (value <= low if low_open else value < low) or (high is not None and value > high)
     if bad:
         bounds = (
@@ -179,6 +180,11 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             raise ValueError(f"model: {type(model).__name__} is not supported by {type(self).__name__}; use {names}")
         use_weighted_attention(model)
         self._windows = layer_windows(model)
+        if self._windows and all(window is not None for window in self._windows):
+            logger.warning_once(
+                f"{type(self).__name__}: every layer of this model uses a sliding window: nothing is compressed "
+                "(each layer keeps its last sliding_window - 1 tokens, as without a press)"
+            )
 
     def budget(self, n: int) -> int:
         """Rows kept per head for an n-token context (kvpress ScorerPress's count)."""

@@ -281,6 +281,8 @@ def compressed_cache_embeds(model, press, embeds) -> DynamicCache:
         (dict(reference=[]), "reference"),
         (dict(selection="hybrid"), "fit"),  # the default fit needs the attention selection
         (dict(repeat_weight=-1.0), "repeat_weight"),
+        (dict(repeat_weight=float("inf")), "repeat_weight"),  # accepted before: an infinite weight
+        (dict(fit_ridge=float("inf")), "fit_ridge"),
         (dict(fit_ridge=0.0), "fit_ridge"),
         (dict(hybrid_fraction=1.5), "hybrid_fraction"),
         (dict(observation_window=0), "observation_window"),

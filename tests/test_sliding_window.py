@@ -101,12 +101,16 @@ def test_second_question_after_cut_back_equals_a_fresh_cache(static):
     torch.testing.assert_close(again[1], fresh[1], **TOL)
 
 
-def test_mistral_style_windows_on_every_layer():
-    """Every layer sliding (Mistral-style): nothing is compressed, every layer is cut to its window, the outputs
-    stay the model's, and a second question after the pipeline's cut-back equals a fresh cache's."""
+def test_mistral_style_windows_on_every_layer(monkeypatch):
+    """Every layer sliding (Mistral-style): nothing is compressed (the press says so), every layer is cut to its
+    window, the outputs stay the model's, and a second question after the pipeline's cut-back equals a fresh
+    cache's."""
+    warned = []
+    monkeypatch.setattr(kvcompress.weighted_press.logger, "warning_once", warned.append)
     model = tiny_model("mistral", sliding_window=WINDOW)
     ids, question = random_ids(CONTEXT, seed=16), random_ids(5, seed=17)
     cache = prefill(model, press(), ids)
+    assert len(warned) == 1 and "every layer of this model uses a sliding window: nothing is compressed" in warned[0]
     assert all(isinstance(layer, WindowLayer) and layer.keys.shape[-2] == WINDOW - 1 for layer in cache.layers)
     fresh = answer(model, copy.deepcopy(cache), ids, None, question)
     whole = DynamicCache()

@@ -27,12 +27,15 @@ from kvcompress.longbench.config import (
     METHODS,
     OFFLINE_CONFIG,
     RESULTS_DIR,
+    RULER_EXAMPLES,
+    RULER_RESULTS_DIR,
     Config,
     Interrupted,
     UsageError,
     one_line,
     output_dir,
     prediction_settings,
+    ruler_tasks,
     task_list,
     validate,
 )
@@ -116,7 +119,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--tasks",
         nargs="+",
         help=f"from {list(ALL_TASKS)} (default: {' '.join(embedded.tasks or [])}; with --model: the "
-        f"{len(LONGBENCH_TASKS)} LongBench-E tasks)",
+        f"{len(LONGBENCH_TASKS)} LongBench-E tasks); with --benchmark ruler from {list(ruler_tasks())} (default: all)",
     )
     p.add_argument("--dataset", help=f"Hub id or local dir with <task>_e data dirs (default {DEFAULT_DATASET})")
     p.add_argument(
@@ -126,7 +129,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--limit",
         type=int,
         help=f"the first N examples of each task, in the data's order (the offline suite's: shortest first; default: "
-        f"{embedded.limit} in the embedded run; with --model: all)",
+        f"{embedded.limit} in the embedded run; with --model: all; with --benchmark ruler: {RULER_EXAMPLES} contexts)",
     )
     p.add_argument(
         "--fraction", type=float, help="a seeded fraction of each task, in (0, 1], before --limit (default: all)"
@@ -162,7 +165,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int, help=f"torch CPU threads (default {embedded.threads} in the embedded run; else torch's)"
     )
-    p.add_argument("--output-dir", help=f"default ./{RESULTS_DIR}/<model>_<ratio>[_<press options>]")
+    p.add_argument("--output-dir", help=f"default ./{RESULTS_DIR}/<model>_<ratio>[_<press options>]; with --benchmark "
+                   f"ruler ./{RULER_RESULTS_DIR}/<model>_<length>_<ratio>[...]")  # fmt: skip
     p.add_argument(
         "--score-only", action="store_true", default=None, help="no model: rescore what exists (default: off)"
     )
