@@ -110,6 +110,42 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves():
     assert [members[s][2] for s in range(3)] == [4, steps, steps]
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])  # sliding, full, sliding; every layer sliding
+@torch.no_grad()
+def test_decode_batch_keeps_each_sessions_sliding_window(family):
+    """On sliding-window layers each session's new token sees only its own window, as alone: 12 steps past a
+    window of 8, two sessions of different lengths in one batch (the batch attended over every row it held:
+    logits off by 0.1-0.4 from the second step). float64; tolerance as in the test above."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, decode_step, session_rows
+    from kvcompress.serve.store import answer_view
+    from kvcompress.window import layer_windows
+
+    model = tiny_model(family, dtype=torch.float64, sliding_window=8)
+    use_weighted_attention(model)
+    sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(200, 5, True), (120, 3, True)], seed=4)
+    steps = 12
+    alone = [_alone(model, *s, steps) for s in sessions]
+    sources, tokens, positions = [], [], []
+    for ctx, question, cache in sessions:
+        view = answer_view(cache)
+        n, m = ctx.shape[1], question.shape[1]
+        out = model(input_ids=question, past_key_values=view, position_ids=torch.arange(n, n + m)[None],
+                    logits_to_keep=1)
+        sources.append(session_rows(view))
+        tokens.append(int(out.logits[0, -1].argmax()))
+        positions.append(n + m)
+    assert [source.window for source in sources[0]] == layer_windows(model)  # gemma3 [8, None, 8]; mistral [8, 8]
+    batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1)
+    for step in range(steps):
+        logits = decode_step(model, batch, tokens, positions)
+        for b in range(2):
+            torch.testing.assert_close(logits[b], alone[b][step + 1], rtol=0, atol=1e-9)
+        tokens = [int(alone[b][step + 1].argmax()) for b in range(2)]
+        positions = [p + 1 for p in positions]
+
+
 @torch.no_grad()
 def test_decode_batch_rows_are_masked_not_read():
     """A batch row never reads another row's or its own unused rows: filling them with garbage (large keys and

@@ -6,7 +6,8 @@ contiguously from row 0: its context (compressed rows with their Nystrom weights
 its question, then every generated token (weight 1); rows from ``lengths[b]`` on are unused, zero, and masked by
 ``key_mask``. So sessions of different compressed lengths and different numbers of generated tokens share one
 rectangular batch, and a row sees exactly the rows it sees alone: weighted attention (Alg. 3 of WildCat) with a
-masked key is the same sum without that key.
+masked key is the same sum without that key. A sliding-window layer holds a session's last tokens in order, one row
+each, so its mask also hides the rows more than ``window - 1`` before the new one.
 
 Positions are per row: a compressed context of ``n`` tokens holds ``r < n`` rows, so the token position that RoPE
 needs (``n + question + generated``) is not the row index; the step passes explicit ``position_ids [B, 1]`` and a
@@ -35,13 +36,15 @@ from kvcompress.cache import WeightedLayer, tag_layer
 
 @dataclass
 class RowSource:
-    """One session's rows of one layer, batch row 1: keys ``[1, h, n, d]``, values, weights ``[1, h, n]``, range."""
+    """One session's rows of one layer, batch row 1: keys ``[1, h, n, d]``, values, weights ``[1, h, n]``, range;
+    ``window``: the layer's sliding window (its rows are then the session's last tokens, in order), or None."""
 
     keys: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor
     v_min: torch.Tensor
     v_max: torch.Tensor
+    window: int | None = None
 
 
 def session_rows(cache: Cache) -> list[RowSource]:
@@ -64,7 +67,7 @@ def session_rows(cache: Cache) -> list[RowSource]:
             shape = (1, values.shape[1], values.shape[-1])
             v_min = torch.full(shape, -math.inf, device=keys.device, dtype=torch.float32)
             v_max = torch.full(shape, math.inf, device=keys.device, dtype=torch.float32)
-        out.append(RowSource(keys, values, weights.float(), v_min, v_max))
+        out.append(RowSource(keys, values, weights.float(), v_min, v_max, getattr(layer, "sliding_window", None)))
     return out
 
 
@@ -81,11 +84,21 @@ class RowCounts:
         self.width = 0  # rows attended in the open step (0: no step open)
         self.visible: torch.Tensor | None = None  # [B, width] bool: the rows each batch row sees in the open step
         self.mask: torch.Tensor | None = None  # ``visible``, or None when every batch row holds as many rows
+        self._windowed: dict[int, torch.Tensor] = {}  # window -> ``visible`` cut to it (sliding-window layers)
 
     def begin_step(self) -> None:
         self.width = max(self.host) + 1
         self.visible = torch.arange(self.width, device=self.tensor.device) <= self.tensor[:, None]
         self.mask = self.visible if min(self.host) + 1 < self.width else None
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """``[B, width]`` bool: the rows a sliding-window layer's new token sees in the open step, its own and the
+        ``window - 1`` before it (such a layer holds each session's last tokens in order, one row per token)."""
+        if window not in self._windowed:
+            rows = torch.arange(self.width, device=self.tensor.device)
+            self._windowed[window] = self.visible & (rows > self.tensor[:, None] - window)
+        return self._windowed[window]
 
     def end_step(self, appended: bool = True) -> None:
         """Close the step; ``appended``: every layer wrote its row (False after a failed forward: the rows written
@@ -93,7 +106,7 @@ class RowCounts:
         if appended:
             self.host = [n + 1 for n in self.host]
             self.tensor += 1
-        self.width, self.visible, self.mask = 0, None, None
+        self.width, self.visible, self.mask, self._windowed = 0, None, None, {}
 
 
 class BatchLayer(DynamicLayer):
@@ -102,12 +115,12 @@ class BatchLayer(DynamicLayer):
 
     is_sliding = False
 
-    def __init__(self, keys, values, weights, v_min, v_max, counts: RowCounts):
+    def __init__(self, keys, values, weights, v_min, v_max, counts: RowCounts, window: int | None = None):
         super().__init__()
         self.dtype, self.device = keys.dtype, keys.device
         self.keys, self.values, self.weights = keys, values, weights
         self.value_min, self.value_max = v_min, v_max
-        self.counts = counts
+        self.counts, self.window = counts, window
         self.is_initialized = True
 
     @property
@@ -135,7 +148,10 @@ class BatchLayer(DynamicLayer):
         return keys, values
 
     def key_mask(self, rows: int, attention_mask=None) -> torch.Tensor | None:
-        """``[B, rows]`` bool: each batch row's own rows (None when every row is that long)."""
+        """``[B, rows]`` bool: each batch row's own rows (None when every row is that long); on a sliding-window
+        layer, only the last ``window`` of them (the new token's own window)."""
+        if self.window is not None and max(self.counts.host) + 1 > self.window:
+            return self.counts.windowed(self.window)
         return self.counts.mask
 
     def weights_for(self, rows: int) -> torch.Tensor:
@@ -233,7 +249,8 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
         counts = shared.get(tuple(lengths))
         if counts is None:
             counts = shared[tuple(lengths)] = RowCounts(lengths, keys.device)
-        layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts))
+        window = old.window if old is not None else ref.window
+        layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts, window))
     return DecodeBatch(layers)
 
 
