@@ -315,8 +315,10 @@ class StaticWindowLayer(CacheLayerMixin):
                     f"attention_mask: a static window layer needs the mask the model builds from it "
                     f"({self.max_new_tokens} key columns), got {tuple(attention_mask.shape)}"
                 )
-            last = attention_mask[:, 0, -1].index_select(-1, positions - self.context_tokens)
-            real_new = last if last.dtype == torch.bool else last == 0
+            # Each new token's own column in its own row (a token always sees itself unless it is padding): the
+            # last row alone would not do, a sliding mask hides there the new tokens more than a window back.
+            own = attention_mask[:, 0, torch.arange(q, device=positions.device), positions - self.context_tokens]
+            real_new = own if own.dtype == torch.bool else own == 0
         if q == 1:
             real = self.slot_real.index_copy(1, positions % self.sliding_window, real_new)
             self.slot_real.copy_(real)

@@ -185,11 +185,15 @@ def test_rewinding_a_window_layer_elsewhere_is_refused_and_changes_nothing(stati
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_static_cache_keeps_windows_in_a_ring():
+@pytest.mark.parametrize("question_tokens", [5, 2 * WINDOW + 3])
+def test_static_cache_keeps_windows_in_a_ring(question_tokens):
+    """Generation over the static rings equals the dynamic cache's, for a question longer than the window too
+    (each new token's realness is read from its own column: from the last row, a sliding mask hid the question's
+    first tokens from themselves)."""
     model = gemma()
-    ids, question = random_ids(CONTEXT, seed=10), random_ids(5, seed=11)
+    ids, question = random_ids(CONTEXT, seed=10), random_ids(question_tokens, seed=11)
     cache = prefill(model, press(), ids)
-    static = StaticWeightedCache.from_compressed(cache, max_new_tokens=40)
+    static = StaticWeightedCache.from_compressed(cache, max_new_tokens=question_tokens + 2 * WINDOW)
     assert [type(layer) for layer in static.layers][::2] == [StaticWindowLayer, StaticWindowLayer]
     assert static.layers[0].keys.shape[-2] == WINDOW and static.is_compileable
     full = torch.cat([ids, question], 1)
