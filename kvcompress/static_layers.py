@@ -14,6 +14,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from kvcompress.cache import _TAG, WeightedLayer
+from kvcompress.window import window_crop_refused, window_crop_target
 
 
 def _static(*tensors: torch.Tensor) -> None:
@@ -330,35 +331,25 @@ class StaticWindowLayer(CacheLayerMixin):
         visible = (attended[None, :] <= query) & (attended[None, :] > query - self.sliding_window)
         return (visible[None] & real[:, None, :])[:, None]
 
-    def _refused(self, tokens: int) -> ValueError:
-        return ValueError(
-            f"max_length: a sliding-window layer after a press can go back only to the end of its "
-            f"{self.context_tokens}-token context, got {tokens}"
-        )
-
     def check_crop(self, max_length: int) -> None:
         """Raise the ``ValueError`` :meth:`crop` would raise, changing nothing (one device read)."""
-        length = self.get_seq_length()
-        tokens = length + max_length if max_length < 0 else max_length
-        if tokens < length and tokens != self.context_tokens:
-            raise self._refused(tokens)
+        window_crop_target(max_length, self.get_seq_length(), self.context_tokens)
 
     def rewind(self, tokens: int) -> None:
-        if tokens == self.get_seq_length():
+        held = self.get_seq_length()
+        if tokens == held:
             return
         if tokens != self.context_tokens:
-            raise self._refused(tokens)
+            raise window_crop_refused(tokens, held, self.context_tokens)
         state = (self.keys, self.values, self.slot_tokens, self.slot_real)
         for tensor, saved in zip(state, self._context, strict=True):
             tensor.copy_(saved)
         self._length.fill_(self.context_tokens)
 
     def crop(self, max_length: int) -> None:
-        length = self.get_seq_length()
-        if max_length < 0:
-            max_length = length + max_length
-        if max_length < length:
-            self.rewind(max_length)
+        tokens = window_crop_target(max_length, self.get_seq_length(), self.context_tokens)
+        if tokens is not None:
+            self.rewind(tokens)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ValueError("num_beams: a static compressed cache supports greedy and sampled decoding (num_beams=1)")

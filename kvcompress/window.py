@@ -29,6 +29,25 @@ def layer_windows(model: PreTrainedModel) -> list[int | None]:
     return [layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) else None for layer in layers]
 
 
+def window_crop_refused(tokens: int, held: int, context_tokens: int) -> ValueError:
+    """The error of a window layer (holding ``held`` tokens) asked to go back to ``tokens`` tokens."""
+    return ValueError(
+        f"max_length: a sliding-window layer after a press can go back only to the end of its {context_tokens}-token "
+        f"context (it holds {held} tokens), got {tokens}"
+    )
+
+
+def window_crop_target(max_length: int, held: int, context_tokens: int) -> int | None:
+    """The tokens a window layer holding ``held`` goes back to for ``crop(max_length)`` (negative: from the end;
+    None: nothing to cut), or :func:`window_crop_refused`'s error: it can go back only to the end of its context."""
+    tokens = held + max_length if max_length < 0 else max_length
+    if tokens >= held:
+        return None
+    if tokens != context_tokens:
+        raise window_crop_refused(tokens, held, context_tokens)
+    return tokens
+
+
 class WindowLayer(DynamicSlidingWindowLayer):
     """A sliding-window layer after a press: at most ``sliding_window - 1`` rows, ``cumulative_length`` tokens.
     ``real [b, >= rows]``: the prefill's padding mask (1 = real token) aligned to the end of ``keys``."""
@@ -76,17 +95,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
         finally:
             self._updating = False
 
-    def _refused(self, tokens: int) -> ValueError:
-        return ValueError(
-            f"max_length: a sliding-window layer after a press can go back only to the end of its "
-            f"{self.context_tokens}-token context (it holds {self.cumulative_length} tokens), got {tokens}"
-        )
-
     def check_crop(self, max_length: int) -> None:
         """Raise the ``ValueError`` :meth:`crop` would raise, changing nothing."""
-        tokens = self.cumulative_length + max_length if max_length < 0 else max_length
-        if tokens < self.cumulative_length and tokens != self.context_tokens:
-            raise self._refused(tokens)
+        window_crop_target(max_length, self.cumulative_length, self.context_tokens)
 
     def rewind(self, tokens: int) -> None:
         """Make the layer stand for the first ``tokens`` tokens: a no-op at its current count, a restore at the
@@ -94,16 +105,15 @@ class WindowLayer(DynamicSlidingWindowLayer):
         if tokens == self.cumulative_length:
             return
         if tokens != self.context_tokens:
-            raise self._refused(tokens)
+            raise window_crop_refused(tokens, self.cumulative_length, self.context_tokens)
         self._dropped = {self.keys.data_ptr(), self.values.data_ptr()}
         self.__dict__["_keys"], self.__dict__["_values"] = self.context_keys, self.context_values
         self.cumulative_length = self.context_tokens
 
     def crop(self, max_length: int) -> None:
-        if max_length < 0:
-            max_length = self.cumulative_length + max_length
-        if max_length < self.cumulative_length:
-            self.rewind(max_length)
+        tokens = window_crop_target(max_length, self.cumulative_length, self.context_tokens)
+        if tokens is not None:
+            self.rewind(tokens)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._updating = True
