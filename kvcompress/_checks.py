@@ -26,6 +26,13 @@ def check_int_range(name: str, value: object, low: int, high: int | None = None)
     return value
 
 
+def check_compression_ratio(value: object) -> float:
+    """A press's ``compression_ratio``: the fraction of the context removed, in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:  # NaN fails too
+        raise ValueError(f"compression_ratio: must be a number in [0, 1) (the fraction removed), got {value!r}")
+    return float(value)
+
+
 def check_positive(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvcompress._checks import check_compression_ratio
+
 
 @dataclass(frozen=True)
 class Method:
@@ -80,9 +82,7 @@ def make_press(name: str, compression_ratio: float, seed: int = 0, **options: An
     single fields of its dataclass (the press checks them). ``seed`` seeds our randomised presses."""
     if name not in METHODS:
         raise ValueError(f"method: unknown method {name!r}; choose from {', '.join(METHODS)}")
-    ratio = compression_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:  # kvpress asserts it
-        raise ValueError(f"compression_ratio: must be a number in [0, 1) (the fraction removed), got {ratio!r}")
+    check_compression_ratio(compression_ratio)  # kvpress's presses only assert it
     press = METHODS[name].build(compression_ratio, seed)
     if press is None:
         if options:

@@ -45,7 +45,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from kvcompress._checks import check_int_range
+from kvcompress._checks import check_compression_ratio, check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
@@ -150,13 +150,12 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     _parked: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: not parked
     _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
     _positions: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _prefilling's
+    _rows: Any = field(default=None, init=False, repr=False, compare=False)  # (n, real_token_rows) of this prefill
     _side: CompressionStream = field(default_factory=CompressionStream, init=False, repr=False, compare=False)
     _deferred: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (cache, state)
 
     def __post_init__(self) -> None:
-        ratio = self.compression_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:  # NaN too
-            raise ValueError(f"compression_ratio: must be a number in [0, 1) (the fraction removed), got {ratio!r}")
+        check_compression_ratio(self.compression_ratio)
         check_int_range("sink_size", self.sink_size, 0)
         check_int_range("window_size", self.window_size, 0)
         if self.seed is not None:
@@ -279,7 +278,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
             self._position_ids = None
             self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
-            self._finite, self._positions = [], (None, None, False)
+            self._finite, self._positions, self._rows = [], (None, None, False), None
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
@@ -294,7 +293,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._call, self._stream = (decoder, argument("input_ids", 0)), None
             self._parked = None
             # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.
-            self._finite, self._positions = [], (None, None, False)
+            self._finite, self._positions, self._rows = [], (None, None, False), None
             self._refuse_before_the_prefill(argument("inputs_embeds", 4), argument("past_key_values", 3))
 
     def _refuse_before_the_prefill(self, inputs_embeds: torch.Tensor | None, cache) -> None:
@@ -308,6 +307,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         if cache is not None and cache.get_seq_length() > 0:
             return  # not a prefill: nothing is compressed
         rows = real_token_rows(self._attention_mask, tokens.shape[0], tokens.shape[1], tokens.device)
+        self._rows = (tokens.shape[1], rows)  # the layers' hooks take them from here (one host read per prefill)
         if "repeat" not in self.reference_sources():
             return
         if input_ids is None:
@@ -321,6 +321,13 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         )
         if rows is not None and sliding:
             raise ValueError(SLIDING_PADDED_REPEAT)
+
+    def _real_rows(self, batch: int, n: int, device: torch.device) -> list[torch.Tensor] | None:
+        """:func:`real_token_rows` of this prefill on ``device``: those the decoder pre-hook read, else read now."""
+        if self._rows is None or self._rows[0] != n:
+            return real_token_rows(self._attention_mask, batch, n, device)
+        rows = self._rows[1]
+        return None if rows is None else [index.to(device) for index in rows]
 
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window
@@ -384,7 +391,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
                 f"press: layer {module.layer_idx} holds {n} rows after a {hidden_states.shape[1]}-token prefill: "
                 f"another press changed it before {type(self).__name__}, which runs alone (not nested or composed)"
             )
-        rows = real_token_rows(self._attention_mask, batch, n, layer.keys.device)
+        rows = self._real_rows(batch, n, layer.keys.device)
         plans = [self.plan(n)] * batch if rows is None else [self.plan(len(index)) for index in rows]
         if all(plan is None for plan in plans):
             if self.budget(n) < 1:
