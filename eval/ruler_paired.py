@@ -33,10 +33,10 @@ def example_scores(run_dir: str, method: str, answers: dict | None = None) -> di
     argv = ["--benchmark", "ruler"]  # a setting the run left at its default (None) stays at the default
     for flag, key in (("--length", "length"), ("--seed", "seed"), ("--model", "model")):
         argv += [flag, str(settings[key])] if settings.get(key) is not None else []
-    argv += ["--tasks", *settings["tasks"]] if settings.get("tasks") else []
+    tasks = ["--tasks", *settings["tasks"]] if settings.get("tasks") else []
     answers = {} if answers is None else answers
     scores: dict[str, dict[str, float]] = {}
-    for task in task_list(parse_config([*argv, "--methods", method])):
+    for task in task_list(parse_config([*argv, *tasks, "--methods", method])):
         path = run / "predictions" / method / f"{task}.jsonl"
         if not path.exists():
             raise ValueError(f"{run_dir}: no predictions of {method!r} for {task} ({path})")

@@ -163,8 +163,8 @@ class RepeatPassHooks:
             return
         if parked:
             parked.restore_all(cache)
-        rows = next(iter(pending.values()))["rows"] or [None]
-        tokens = next(iter(pending.values()))["tokens"]
+        first = next(iter(pending.values()))
+        rows, tokens = first["rows"] or [None], first["tokens"]
         for b, index in enumerate(rows):  # a padded batch: each row re-reads its own real tokens, as if alone
             row_cache = cache if index is None else row_view_cache(cache, b, index)
             row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]

@@ -90,7 +90,7 @@ class RowCounts:
         self.width = max(self.host) + 1
         self.visible = torch.arange(self.width, device=self.tensor.device) <= self.tensor[:, None]
         self.mask = self.visible if min(self.host) + 1 < self.width else None
-        self._windowed: dict[int, torch.Tensor] = {}
+        self._windowed = {}
 
     def windowed(self, window: int) -> torch.Tensor:
         """``[B, width]`` bool: the rows a sliding-window layer's new token sees in the open step, its own and the
