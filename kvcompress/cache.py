@@ -89,6 +89,33 @@ class WeightedLayer(DynamicLayer):
         setattr(keys, _TAG, self)
         return keys, values
 
+    def _take_batch_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (int64 ``[b']``, repeats allowed) of every per-row tensor: the rows held, their
+        weights and filler mask, the value range and the per-step buffers. Without this, transformers' batch
+        operations would move the keys and values and leave the weights to other batch rows."""
+
+        def take(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(0, index.to(tensor.device))
+
+        low, high, covered = self._range
+        self.row_weights, self.row_valid = take(self.row_weights), take(self.row_valid)
+        self.value_min, self.value_max = take(self.value_min), take(self.value_max)
+        self._weights_buf, self._mask_buf = take(self._weights_buf), take(self._mask_buf)
+        self._keys, self.values = take(self._keys), take(self.values)  # no setter: the range below stays valid
+        self._range = (take(low), take(high), covered)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: batch row ``i`` becomes row ``beam_idx[i]``."""
+        self._take_batch_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``num_return_sequences`` over a prefilled cache)."""
+        self._take_batch_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` (integer indices or a boolean mask)."""
+        self._take_batch_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
+
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         """Masks of a compressed cache are built in token space (the tokens it stands for, then the new ones):
         their last columns are the rows after the compressed context (see :meth:`key_mask`)."""

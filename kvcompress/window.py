@@ -115,21 +115,30 @@ class WindowLayer(DynamicSlidingWindowLayer):
         if tokens is not None:
             self.rewind(tokens)
 
+    def _take_batch_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (int64 ``[b']``) of the rows held, the context's rows to rewind to and the
+        context's padding mask (a tensor shared by two of them stays shared)."""
+        taken: dict[int, torch.Tensor] = {}
+
+        def take(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            if id(tensor) not in taken:
+                taken[id(tensor)] = tensor.index_select(0, index.to(tensor.device))
+            return taken[id(tensor)]
+
+        self.__dict__["_keys"], self.__dict__["_values"] = take(self.keys), take(self.values)
+        self.context_keys, self.context_values = take(self.context_keys), take(self.context_values)
+        self.context_real = take(self.context_real)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._take_batch_rows(beam_idx)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._updating = True
-        try:
-            super().batch_repeat_interleave(repeats)
-        finally:
-            self._updating = False
-        self.context_keys, self.context_values = self.keys, self.values
+        self._take_batch_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._updating = True
-        try:
-            super().batch_select_indices(indices)
-        finally:
-            self._updating = False
-        self.context_keys, self.context_values = self.keys, self.values
+        self._take_batch_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
 
 
 def trim_to_windows(

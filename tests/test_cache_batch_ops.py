@@ -1,0 +1,98 @@
+"""transformers' batch operations on a compressed cache (beam search's reorder, ``batch_repeat_interleave`` for
+``num_return_sequences``, ``batch_select_indices``) move every row's weights, filler mask and value range with its
+keys: a cache reshaped by them answers as the original cache's rows do (tiny float64 models, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvcompress import CompressKVPress
+from kvcompress.cache import WeightedLayer
+from kvcompress.window import WindowLayer
+from tests.test_padding import prefill, random_ids
+from tests.tiny_models import tiny_model
+
+LENGTHS = (150, 40, 90)  # 40 tokens: fewer than the default's 68 protected ones, so the batch has filler rows
+WINDOW = 24
+
+
+def padded_batch(side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(LENGTHS)
+    ids = torch.zeros(len(LENGTHS), longest, dtype=torch.long)
+    mask = torch.zeros(len(LENGTHS), longest, dtype=torch.long)
+    for row, length in enumerate(LENGTHS):
+        span = slice(longest - length, longest) if side == "left" else slice(0, length)
+        ids[row, span], mask[row, span] = random_ids(length, seed=row)[0], 1
+    return ids, mask
+
+
+@torch.no_grad()
+def step(model, cache, mask: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``tokens [b, q]`` after the cache (positions continue each row's real tokens); the logits
+    and the mask grown by the new tokens."""
+    mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+    positions = (mask.cumsum(-1) - 1)[:, -tokens.shape[1] :]
+    logits = model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    return logits, mask
+
+
+OPERATIONS = {  # name -> (batch rows the operation keeps, how it is called)
+    "reorder (beam search)": ([2, 0, 0], lambda cache: cache.reorder_cache(torch.tensor([2, 0, 0]))),
+    "repeat_interleave (num_return_sequences)": ([0, 0, 1, 1, 2, 2], lambda cache: cache.batch_repeat_interleave(2)),
+    "select indices": ([1, 2], lambda cache: cache.batch_select_indices(torch.tensor([1, 2]))),
+    "select by mask": ([0, 2], lambda cache: cache.batch_select_indices(torch.tensor([True, False, True]))),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_a_reshaped_batch_answers_as_the_rows_it_took(family, operation):
+    """After a question step (so the value range covers rows appended after the context), the operation, then two
+    more steps: every row's logits equal the untouched cache's row it was taken from (float64: to 1e-9)."""
+    overrides = dict(sliding_window=WINDOW) if family == "gemma3" else {}
+    model = tiny_model(family, dtype=torch.float64, **overrides)
+    ids, mask = padded_batch()
+    cache = prefill(model, CompressKVPress(compression_ratio=0.75, seed=0), ids, mask)
+    kinds = {type(layer) for layer in cache.layers}
+    assert WeightedLayer in kinds and (WindowLayer in kinds) == (family == "gemma3")
+    question = torch.randint(1, 256, (len(LENGTHS), 5), generator=torch.Generator().manual_seed(7))
+    _, mask = step(model, cache, mask, question)
+    untouched = copy.deepcopy(cache)
+
+    rows, operate = OPERATIONS[operation]
+    operate(cache)
+    expected_mask, mask = mask, mask[rows]
+    for seed in (11, 12):
+        tokens = torch.randint(1, 256, (len(LENGTHS), 3), generator=torch.Generator().manual_seed(seed))
+        expected, expected_mask = step(model, untouched, expected_mask, tokens)
+        got, mask = step(model, cache, mask, tokens[rows])
+        torch.testing.assert_close(got, expected[rows], rtol=0, atol=1e-9)
+
+
+@torch.no_grad()
+def test_num_return_sequences_over_a_compressed_cache():
+    """The transformers recipe for sampled sequences over a prefilled cache, ``cache.batch_repeat_interleave(n)``
+    then ``generate(num_return_sequences=n)``, runs over a compressed cache; each sequence's logits equal those of
+    the same tokens fed to an unrepeated copy of the cache."""
+    model = tiny_model("llama", dtype=torch.float64)
+    context = random_ids(150, seed=0)
+    cache = prefill(model, CompressKVPress(compression_ratio=0.75, seed=0), context)
+    single = copy.deepcopy(cache)
+    question = random_ids(5, seed=1)
+    ids = torch.cat([context, question], 1)
+    cache.batch_repeat_interleave(2)
+    torch.manual_seed(0)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4, do_sample=True,
+        num_return_sequences=2, output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    logits = torch.stack(out.logits, 1).double()  # [2, new, vocab]; generate hands logits back in float32
+    for row in range(2):
+        again = copy.deepcopy(single)
+        fed = torch.cat([question, out.sequences[row : row + 1, ids.shape[1] : -1]], 1)
+        positions = torch.arange(context.shape[1], context.shape[1] + fed.shape[1])[None]
+        expected = model(input_ids=fed, position_ids=positions, past_key_values=again).logits[0, -4:]
+        torch.testing.assert_close(logits[row], expected, rtol=2**-23, atol=1e-9)  # one float32 rounding
