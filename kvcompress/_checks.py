@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 import torch
 
@@ -31,6 +32,21 @@ def check_compression_ratio(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:  # NaN fails too
         raise ValueError(f"compression_ratio: must be a number in [0, 1) (the fraction removed), got {value!r}")
     return float(value)
+
+
+def check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    bad = bad or (value <= low if low_open else value < low) or (high is not None and value > high)
+    if bad:
+        bounds = (
+            f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
+        )
+        raise ValueError(f"{name}: must be a number in {bounds}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def check_positive(name: str, value: object) -> float:

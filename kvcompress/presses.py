@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvcompress import rng
-from kvcompress._checks import check_int_range
+from kvcompress._checks import check_choice, check_int_range, check_number
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
 from kvcompress.reference import (
     QUERY_SOURCES,
@@ -23,7 +23,7 @@ from kvcompress.reference import (
     record_prefill,
     spread_pieces,
 )
-from kvcompress.weighted_press import WeightedSubsetPress, check_choice, check_number
+from kvcompress.weighted_press import WeightedSubsetPress
 
 SELECTIONS = ("attention", "hybrid", "rpnys")
 SCORE_POOLINGS = ("sum", "max")

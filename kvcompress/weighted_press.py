@@ -25,7 +25,6 @@ rows (see :mod:`kvcompress.padding`).
 
 from __future__ import annotations
 
-import math
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,54 +32,26 @@ from typing import Any
 
 import torch
 from kvpress.presses.base_press import BasePress, is_prefilling
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3ForConditionalGeneration,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Phi3ForCausalLM,
-    PreTrainedModel,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_compression_ratio, check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
-from kvcompress.padding import SLIDING_PADDED_REPEAT, real_token_rows, row_kwargs, stack_rows
+from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
+from kvcompress.press_guards import (
+    check_supported_model,
+    refuse_a_repeat_pass,
+    refuse_a_second_press,
+    refuse_a_wrapper,
+    refuse_non_finite_layers,
+)
 from kvcompress.reference import LayerReference
 from kvcompress.repeat_hooks import RepeatPassHooks
 from kvcompress.window import layer_windows, trim_to_windows
 
 logger = hf_logging.get_logger(__name__)
-
-SUPPORTED_MODELS = (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-    Phi3ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3ForConditionalGeneration,
-)
-
-
-def check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-    bad = bad or (value <= low if low_open else value < low) or (high is not None and value > high)
-    if bad:
-        bounds = (
-            f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}{']' if high is not None else ')'}"
-        )
-        raise ValueError(f"{name}: must be a number in {bounds}, got {value!r}")
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
-
 
 @dataclass(frozen=True)
 class RowPlan:
@@ -95,24 +66,6 @@ class RowPlan:
     @property
     def rows(self) -> int:
         return self.sink + self.window + self.middle
-
-
-def refuse_a_second_press(press: BasePress, model: PreTrainedModel) -> None:
-    """Raise if ``press`` is already applied, or another kvpress press is applied to ``model``: two presses would
-    each compress the other's output (a wrong token count, or rows that no longer match their weights)."""
-    if press._entered:
-        raise ValueError(
-            f"press: this {type(press).__name__} is already applied (its `with press(model)` block is open); apply "
-            "it once, e.g. not both `with press(model):` and `pipe(..., press=press)`"
-        )
-    for module in model.modules():
-        for hook in getattr(module, "_forward_hooks", {}).values():
-            other = getattr(hook, "__self__", None)
-            if isinstance(other, BasePress) and other is not press:
-                raise ValueError(
-                    f"press: {type(other).__name__} is already applied to this model; {type(press).__name__} runs "
-                    "alone (leave the other press's `with` block first)"
-                )
 
 
 @dataclass
@@ -166,17 +119,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         # Called by another press (a wrapper: ComposedPress, PrefillDecodingPress, ...) outside our own `with`:
         # refused. A direct call (kvpress's idiom: post_init_from_model(model), then `with press(model)`) is not.
-        caller = sys._getframe(1).f_locals.get("self")
-        if not self._entered and isinstance(caller, BasePress) and caller is not self:
-            wrapper = type(caller).__name__
-            raise ValueError(
-                f"press: {type(self).__name__} cannot run inside {wrapper}: it stores per-row weights with the cache, "
-                "and a press that evicts rows after it would misalign them. Use it on its own: "
-                f"with {type(self).__name__}(...)(model): ..."
-            )
-        if not isinstance(model, SUPPORTED_MODELS):
-            names = ", ".join(cls.__name__ for cls in SUPPORTED_MODELS)
-            raise ValueError(f"model: {type(model).__name__} is not supported by {type(self).__name__}; use {names}")
+        refuse_a_wrapper(self, sys._getframe(1).f_locals.get("self"))
+        check_supported_model(self, model)
         use_weighted_attention(model)
         self._windows = layer_windows(model)
         if self._windows and all(window is not None for window in self._windows):
@@ -308,19 +252,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             return  # not a prefill: nothing is compressed
         rows = real_token_rows(self._attention_mask, tokens.shape[0], tokens.shape[1], tokens.device)
         self._rows = (tokens.shape[1], rows)  # the layers' hooks take them from here (one host read per prefill)
-        if "repeat" not in self.reference_sources():
-            return
-        if input_ids is None:
-            raise ValueError(
-                f"input_ids: {type(self).__name__} with reference 'repeat' reads the context's token ids a second "
-                "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
-            )
-        layers = cache.layers if cache is not None else []
-        sliding = any(getattr(layer, "is_sliding", False) for layer in layers) or (
-            cache is None and any(window is not None for window in self._windows)
-        )
-        if rows is not None and sliding:
-            raise ValueError(SLIDING_PADDED_REPEAT)
+        if "repeat" in self.reference_sources():
+            refuse_a_repeat_pass(self, input_ids, cache, rows is not None, self._windows)
 
     def _real_rows(self, batch: int, n: int, device: torch.device) -> list[torch.Tensor] | None:
         """:func:`real_token_rows` of this prefill on ``device``: those the decoder pre-hook read, else read now."""
@@ -337,7 +270,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         if self._repeating or not self._prefilled:
             return
         self._prefilled = False
-        self._check_finite()
+        flags, self._finite = self._finite, []
+        refuse_non_finite_layers(flags)
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
         if cache is None:
             return
@@ -346,21 +280,6 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
 
         if isinstance(cache, StaticWeightedCache):
             cache.freeze()
-
-    def _check_finite(self) -> None:
-        """Raise if a compressed layer's keys or values held NaN or Inf: the flags of every layer read at once, after
-        the prefill (one host-device sync per prefill instead of two per layer)."""
-        flags, self._finite = self._finite, []
-        if not flags:
-            return
-        finite = torch.stack([flag for _, flag in flags]).cpu().tolist()
-        for (layer_idx, _), pair in zip(flags, finite, strict=True):
-            for name, ok in zip(("keys", "values"), pair, strict=True):
-                if not ok:
-                    raise ValueError(
-                        f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
-                        "cache holds this prefill's layers: start again from a new cache)"
-                    )
 
     def _prefilling(self, cache_position: torch.Tensor, n: int) -> bool:
         """kvpress's ``is_prefilling``, read once per decoder call: its layers share one ``cache_position`` tensor,
@@ -398,7 +317,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
                 logger.warning_once(f"{type(self).__name__}: a {n}-token context keeps 0 rows; left uncompressed")
             return output
         finite = torch.stack([torch.isfinite(layer.keys).all(), torch.isfinite(layer.values).all()])
-        self._finite.append((module.layer_idx, finite))  # read after the prefill (_check_finite)
+        self._finite.append((module.layer_idx, finite))  # read after the prefill (_finish_prefill)
         wanted = self.reads_values()
         if rows is None:
             references = [self.record_reference(module, kwargs, layer.keys, layer.values if wanted else None)]

@@ -1,0 +1,104 @@
+"""What a kvcompress press refuses, and when: each check runs before anything is written to the cache.
+
+A press stores per-row weights with the cache, so it runs alone (not nested, composed or wrapped), on the model
+families whose attention it replaces, over token ids when it reads the context twice, and never leaves a layer
+compressed from NaN or Inf keys without saying so.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpress.presses.base_press import BasePress
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Phi3ForCausalLM,
+    PreTrainedModel,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+from kvcompress.padding import SLIDING_PADDED_REPEAT
+
+SUPPORTED_MODELS = (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Phi3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
+
+
+def check_supported_model(press: BasePress, model: PreTrainedModel) -> None:
+    if not isinstance(model, SUPPORTED_MODELS):
+        names = ", ".join(cls.__name__ for cls in SUPPORTED_MODELS)
+        raise ValueError(f"model: {type(model).__name__} is not supported by {type(press).__name__}; use {names}")
+
+
+def refuse_a_wrapper(press: BasePress, caller: object) -> None:
+    """Raise when ``caller`` (whoever called ``press.post_init_from_model``) is another press: a wrapper
+    (ComposedPress, PrefillDecodingPress, ...) would evict rows after ours and misalign their weights. Inside the
+    press's own ``with`` block, or from user code (kvpress's idiom), the call is fine."""
+    if not press._entered and isinstance(caller, BasePress) and caller is not press:
+        raise ValueError(
+            f"press: {type(press).__name__} cannot run inside {type(caller).__name__}: it stores per-row weights with "
+            "the cache, and a press that evicts rows after it would misalign them. Use it on its own: "
+            f"with {type(press).__name__}(...)(model): ..."
+        )
+
+
+def refuse_a_second_press(press: BasePress, model: PreTrainedModel) -> None:
+    """Raise if ``press`` is already applied, or another kvpress press is applied to ``model``: two presses would
+    each compress the other's output (a wrong token count, or rows that no longer match their weights)."""
+    if press._entered:
+        raise ValueError(
+            f"press: this {type(press).__name__} is already applied (its `with press(model)` block is open); apply "
+            "it once, e.g. not both `with press(model):` and `pipe(..., press=press)`"
+        )
+    for module in model.modules():
+        for hook in getattr(module, "_forward_hooks", {}).values():
+            other = getattr(hook, "__self__", None)
+            if isinstance(other, BasePress) and other is not press:
+                raise ValueError(
+                    f"press: {type(other).__name__} is already applied to this model; {type(press).__name__} runs "
+                    "alone (leave the other press's `with` block first)"
+                )
+
+
+def refuse_a_repeat_pass(
+    press: BasePress, input_ids: torch.Tensor | None, cache, padded: bool, windows: list[int | None]
+) -> None:
+    """Raise, before the prefill, for a repeat pass (``reference`` with ``"repeat"``) this call cannot run: without
+    token ids (``inputs_embeds``), or over a padded batch with sliding-window layers (``windows``: the model's
+    window per layer, None where a layer sees every token)."""
+    if input_ids is None:
+        raise ValueError(
+            f"input_ids: {type(press).__name__} with reference 'repeat' reads the context's token ids a second "
+            "time; call the model with input_ids (not inputs_embeds), or drop 'repeat' from reference"
+        )
+    layers = cache.layers if cache is not None else []
+    sliding = any(getattr(layer, "is_sliding", False) for layer in layers) or (
+        cache is None and any(window is not None for window in windows)
+    )
+    if padded and sliding:
+        raise ValueError(SLIDING_PADDED_REPEAT)
+
+
+def refuse_non_finite_layers(flags: list[tuple[int, torch.Tensor]]) -> None:
+    """Raise if a compressed layer's keys or values held NaN or Inf. ``flags``: ``(layer index, [2] bool: keys and
+    values finite)`` per compressed layer, read all at once after the prefill (one host-device sync per prefill
+    instead of two per layer)."""
+    if not flags:
+        return
+    finite = torch.stack([flag for _, flag in flags]).cpu().tolist()
+    for (layer_idx, _), pair in zip(flags, finite, strict=True):
+        for name, ok in zip(("keys", "values"), pair, strict=True):
+            if not ok:
+                raise ValueError(
+                    f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
+                    "cache holds this prefill's layers: start again from a new cache)"
+                )
