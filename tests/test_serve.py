@@ -309,11 +309,17 @@ BAD_INPUTS = [  # (body, status, param)
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64, "temperature": 1}, 400, "seed"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),  # a lone surrogate
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
 ]
 SERVED_EDGES = [  # in range, once answered with a 500
     {"temperature": 1e-300},
     {"temperature": 1.0, "top_p": 1e-300, "seed": 3},
     {"n": None, "stream": None},  # null: the defaults, as OpenAI's API takes them
+    {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+     "tools": [], "response_format": {"type": "text"}, "user": "u-1", "some_vendor_field": 3},  # defaults clients send
     {"messages": [{"role": "user", "content": "\u2063\u2063\u2063kvcompress-split\u2063\u2063\u2063 hi"}]},
 ]
 
@@ -434,6 +440,30 @@ class FailingEngine:
     def submit(self, job) -> None:
         job.emit("text", "Hello")
         job.emit("error", "generation failed: RuntimeError: boom")
+
+
+UNSUPPORTED_ASKED = {  # a value asking for what the server does not do, per field of protocol.UNSUPPORTED
+    "logprobs": True, "top_logprobs": 1, "echo": True, "best_of": 2, "suffix": "end", "presence_penalty": -0.5,
+    "frequency_penalty": 1, "repetition_penalty": 1.2, "logit_bias": {"42": 100}, "response_format": {"type":
+    "json_schema"}, "tools": [{"type": "function"}], "tool_choice": "auto", "functions": [{"name": "f"}],
+    "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
+}
+
+
+def test_openai_options_the_server_does_not_implement_are_refused_unless_left_at_their_default():
+    """Never ignored: an answer without the log probabilities, penalties or tools asked for would look served."""
+    from kvcompress.serve.protocol import UNSUPPORTED, ApiError, ChatRequest, CompletionRequest, parse
+
+    assert set(UNSUPPORTED_ASKED) == set(UNSUPPORTED)
+    for schema, base in ((ChatRequest, {"messages": [{"role": "user", "content": "hi"}]}), (CompletionRequest,
+                                                                                            {"prompt": "hi"})):
+        for name, value in UNSUPPORTED_ASKED.items():
+            with pytest.raises(ApiError, match=f"^{name}: this server") as refused:
+                parse(schema, {**base, name: value})
+            assert (refused.value.status, refused.value.param) == (400, name)
+        parse(schema, {**base, **{name: None for name in UNSUPPORTED}, "user": "u-1", "vendor_option": 1})
+    with pytest.raises(ApiError, match="^logprobs"):  # completions' 0 asks for the chosen tokens' log probabilities
+        parse(CompletionRequest, {"prompt": "hi", "logprobs": 0})
 
 
 def test_sampling_at_the_edges_of_its_ranges():

@@ -1,10 +1,11 @@
 """OpenAI request schemas, their validation and OpenAI-shaped errors.
 
 Statuses: 400 a value the server cannot use (body not JSON, empty ``messages``, ``n`` other than 1, a number out
-of range, the last message not from the user or without text, text that is not valid Unicode); 401 a wrong API
-key; 404 an unknown model or route; 413 a prompt longer than the model's maximum; 422 a missing field or one of
-the wrong type (a non-integer ``max_tokens``, an unknown role); 429 the worker's queue is full. Every message
-starts with the field it is about.
+of range, an OpenAI option this server does not implement set to anything but its default (``UNSUPPORTED``: log
+probabilities, penalties, tools, ...), the last message not from the user or without text, text that is not valid
+Unicode); 401 a wrong API key; 404 an unknown model or route; 413 a prompt longer than the model's maximum; 422 a
+missing field or one of the wrong type (a non-integer ``max_tokens``, an unknown role); 429 the worker's queue is
+full. Every message starts with the field it is about. Fields OpenAI's API does not have are ignored.
 """
 
 from __future__ import annotations
@@ -48,7 +49,37 @@ class StreamOptions(_Schema):
     include_usage: StrictBool = False
 
 
+def _unset(value: Any) -> bool:
+    return value is None or value is False or (type(value) in (int, float) and value == 0) or value in ("", [], {})
+
+
+# OpenAI fields this server does not implement, and the values that ask for nothing (clients send defaults):
+# anything else is refused (400), never ignored, since an answer without them would look served.
+_NO_LOGPROBS = "this server returns no log probabilities"
+_SAMPLING = "this server samples with temperature, top_p and seed only"
+_NO_TOOLS = "this server does not call tools"
+UNSUPPORTED = {
+    "logprobs": (lambda v: v is None or v is False, _NO_LOGPROBS),  # completions' 0 asks for the chosen tokens'
+    "top_logprobs": (_unset, _NO_LOGPROBS),
+    "echo": (_unset, "this server does not echo the prompt"),
+    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "this server generates one completion per request"),
+    "suffix": (_unset, "this server does not insert text before a suffix"),
+    "presence_penalty": (_unset, _SAMPLING),
+    "frequency_penalty": (_unset, _SAMPLING),
+    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1), _SAMPLING),
+    "logit_bias": (_unset, _SAMPLING),
+    "response_format": (lambda v: _unset(v) or v == {"type": "text"}, "this server generates plain text only"),
+    "tools": (_unset, _NO_TOOLS),
+    "tool_choice": (lambda v: _unset(v) or v == "none", _NO_TOOLS),
+    "functions": (_unset, _NO_TOOLS),
+    "function_call": (lambda v: _unset(v) or v == "none", _NO_TOOLS),
+    "audio": (_unset, "this server generates text only"),
+    "modalities": (lambda v: _unset(v) or v == ["text"], "this server generates text only"),
+}
+
+
 class _Sampling(_Schema):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, except those in UNSUPPORTED
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: StrictFloat | StrictInt | None = None
@@ -119,6 +150,9 @@ def check_values(request: _Sampling) -> None:
                 raise ApiError(400, f"prompt: this server takes one prompt per request, got {count}", "prompt")
             request.prompt = request.prompt[0]
         check_text("prompt", request.prompt)
+    for name, value in (request.model_extra or {}).items():
+        if name in UNSUPPORTED and not UNSUPPORTED[name][0](value):
+            raise ApiError(400, f"{name}: {UNSUPPORTED[name][1]}; leave it unset (got {value!r})"[:500], name)
     request.n = 1 if request.n is None else request.n
     request.stream = bool(request.stream)
     name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
