@@ -19,6 +19,7 @@ compile happens in the warm-up steps, never in the timed ones. Steps pass device
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -30,7 +31,7 @@ import torch
 from eval.speed.clock import Clock, Notes, release, stats
 from eval.speed.config import Config
 from eval.speed.e2e import build_model, make_press, prefill, set_attention
-from kvcompress.cache import WeightedDynamicCache, WeightedLayer, cache_bytes
+from kvcompress.cache import cache_bytes
 
 VARIANTS = (
     "full/eager",
@@ -45,29 +46,10 @@ ATTENTION_VARIANTS = ("full/eager", "ours/eager", "ours/compiled")
 
 def repeat_batch(cache, batch: int):
     """The batch-1 ``cache`` repeated to ``batch`` identical rows: a new cache (the decode steps of one variant
-    never reach another's), DynamicLayer / WeightedLayer layers."""
-    from transformers import DynamicCache
-
-    out = WeightedDynamicCache() if isinstance(cache, WeightedDynamicCache) else DynamicCache()
-    for layer in cache.layers:
-        keys, values = layer.keys.repeat(batch, 1, 1, 1), layer.values.repeat(batch, 1, 1, 1)
-        if isinstance(layer, WeightedLayer):
-            out.layers.append(
-                WeightedLayer(
-                    keys,
-                    values,
-                    layer.row_weights.repeat(batch, 1, 1),
-                    layer.value_min.repeat(batch, 1, 1),
-                    layer.value_max.repeat(batch, 1, 1),
-                    tokens=keys.shape[-2] + layer.position_offset,
-                    row_valid=None if layer.row_valid is None else layer.row_valid.repeat(batch, 1),
-                )
-            )
-        else:
-            copy = type(layer)()
-            copy.lazy_initialization(keys, values)
-            copy.keys, copy.values = keys, values
-            out.layers.append(copy)
+    never reach another's), through transformers' ``batch_repeat_interleave`` (compressed layers move their
+    weights with their rows)."""
+    out = copy.deepcopy(cache)
+    out.batch_repeat_interleave(batch)
     return out
 
 
