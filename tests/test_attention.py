@@ -55,7 +55,7 @@ def test_gqa_matches_naive_loop(heads_q, heads_kv):
     torch.testing.assert_close(out, naive_weighted_attention(q, k, v, w, 0.3), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("offset", [0, 4, 9])
+@pytest.mark.parametrize("offset", [0, 4, 9, 12, 20])  # 12 = n - 1 and past it: nothing hidden (the decode form)
 def test_causal_offset_matches_naive_loop(offset):
     q, k, v, w = random_inputs(1, 4, 2, 4, 13, 8, dtype=torch.float64, seed=offset)
     out = weighted_attention(q, k, v, w, causal_offset=offset)
