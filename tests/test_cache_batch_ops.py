@@ -96,3 +96,22 @@ def test_num_return_sequences_over_a_compressed_cache():
         positions = torch.arange(context.shape[1], context.shape[1] + fed.shape[1])[None]
         expected = model(input_ids=fed, position_ids=positions, past_key_values=again).logits[0, -4:]
         torch.testing.assert_close(logits[row], expected, rtol=2**-23, atol=1e-9)  # one float32 rounding
+
+
+@torch.no_grad()
+def test_beam_search_over_a_padded_batch_gives_each_rows_own_beams():
+    """Beam search under the press (the prefill compressed inside generate, every step reordering the cache): a
+    left-padded batch of two contexts returns the beams each context gets alone."""
+    model = tiny_model("llama", dtype=torch.float64)
+    contexts = [random_ids(150, seed=0), random_ids(90, seed=1)]
+    ids = torch.zeros(2, 150, dtype=torch.long)
+    mask = torch.zeros(2, 150, dtype=torch.long)
+    for row, context in enumerate(contexts):
+        ids[row, 150 - context.shape[1]:], mask[row, 150 - context.shape[1]:] = context[0], 1
+    options = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
+    with CompressKVPress(compression_ratio=0.75, seed=0)(model):
+        batched = model.generate(ids, attention_mask=mask, **options)[:, 150:]
+    for row, context in enumerate(contexts):
+        with CompressKVPress(compression_ratio=0.75, seed=0)(model):
+            alone = model.generate(context, attention_mask=torch.ones_like(context), **options)[:, context.shape[1]:]
+        assert torch.equal(batched[2 * row : 2 * row + 2], alone), row
