@@ -139,6 +139,64 @@ def test_parse_bytes():
 QUESTIONS = ["\n\nWhat does this text describe? Answer briefly.", "\n\nName one keyword from the text."]
 
 
+@pytest.mark.slow
+def test_logprobs_are_the_models_own_over_the_compressed_context(pipe):
+    """Each reported token's log probability and its alternatives' equal a teacher-forced reading of the answer
+    over the same stored compressed cache (float64 log-softmax of float32 logits: to 1e-4); the tokens' texts
+    join to the answer, their offsets are where each starts, and a stop string keeps the token it cuts."""
+    from kvcompress.registry import make_press
+    from kvcompress.serve.engine import Engine, Job
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.protocol import Message, chat_split
+    from kvcompress.serve.store import answer_view
+
+    model, tokenizer = pipe.model, pipe.tokenizer
+    engine = Engine(model, tokenizer, model_name="m", press=make_press("compresskv", 0.75, 0), press_label="c",
+                    store=ContextStore(10**9), metrics=ServerMetrics())
+    try:
+        parts = [{"type": "text", "text": contexts(1)[0]}, {"type": "text", "text": QUESTIONS[0]}]
+        context_ids, question_ids = chat_split(tokenizer, [Message(role="user", content=parts)])
+        with torch.inference_mode():
+            runs = {}
+            for stop in ([], None):
+                job = Job(context_ids, question_ids, max_tokens=12, temperature=1.0, seed=3, top_logprobs=3,
+                          stop=stop or [])
+                events = []
+                job.emit = lambda *event, events=events: events.append(event)
+                if stop is None:  # a stop string in the middle of the first answer's text
+                    text = "".join(e[1] for e in runs[()][0] if e[0] == "text")
+                    job.stop = [text[len(text) // 2 : len(text) // 2 + 3]]
+                engine.run_alone(job)
+                runs[() if stop == [] else ("stop",)] = (events, job)
+            events, _ = runs[()]
+            text = "".join(e[1] for e in events if e[0] == "text")
+            logprobs = [p for e in events if e[0] == "text" for p in e[2]]
+            assert "".join(p.token for p in logprobs) == text and len(logprobs) >= 8
+            assert [p.offset for p in logprobs] == [len("".join(q.token for q in logprobs[:i]))
+                                                    for i in range(len(logprobs))]  # fmt: skip
+            generated = [p.token_id for p in logprobs]
+            cache = answer_view(engine.context_cache(context_ids))
+            fed = torch.tensor([question_ids + generated[:-1]])
+            positions = torch.arange(len(context_ids), len(context_ids) + fed.shape[1])[None]
+            logits = model(input_ids=fed, past_key_values=cache, position_ids=positions).logits[0]
+            expected = torch.log_softmax(logits[len(question_ids) - 1 :].double(), -1)
+            assert [p.token for p in logprobs] == [tokenizer.decode([i]) for i in generated]
+            for step, (p, token) in enumerate(zip(logprobs, generated, strict=True)):
+                assert abs(p.logprob - float(expected[step, token])) < 1e-4, step
+                best = expected[step].topk(3)
+                assert [v for _, v in p.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+                assert [t for t, _ in p.top] == [tokenizer.decode([i]) for i in best.indices.tolist()]
+
+            stopped_events, stopped_job = runs[("stop",)]
+            stopped_text = "".join(e[1] for e in stopped_events if e[0] == "text")
+            kept = [p for e in stopped_events if e[0] == "text" for p in e[2]]
+            assert stopped_job.stop[0] not in stopped_text and text.startswith(stopped_text)
+            assert "".join(p.token for p in kept).startswith(stopped_text) and kept[-1].offset < len(stopped_text)
+            assert kept == logprobs[: len(kept)]  # the same seed draws the same tokens
+    finally:
+        engine.shutdown()
+
+
 def contexts(count: int, tokens: int = 360) -> list[str]:
     """``count`` different passages of CPython's documentation, ``tokens`` tokens each (compressed at 25% kept:
     the template adds ~25 tokens, and 25% of the whole must exceed the 68 protected rows)."""
@@ -309,7 +367,8 @@ BAD_INPUTS = [  # (body, status, param)
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64, "temperature": 1}, 400, "seed"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),  # a lone surrogate
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}, 400, "stop"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),  # logprobs unset
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
      "response_format"),
@@ -427,6 +486,35 @@ def test_completions_endpoint(server):
         api.completions.create(model="SmolLM2-135M-Instruct", prompt="text\n\n", max_tokens=2)
 
 
+@pytest.mark.slow
+def test_logprobs_through_the_openai_client(server):
+    """The OpenAI client reads the chat and completions log probabilities: greedy tokens are their own top
+    alternative, the texts join to the answer, and the streamed chunks carry the same entries as one reply."""
+    api = client(server)
+    messages = doc_question(contexts(1)[0], QUESTIONS[0])
+    options = dict(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8, temperature=0)
+    reply = api.chat.completions.create(**options, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert "".join(p.token for p in content) == reply.choices[0].message.content and len(content) >= 1
+    for p in content:
+        assert len(p.top_logprobs) == 2 and p.top_logprobs[0].token == p.token and p.logprob <= 0
+        assert p.top_logprobs[0].logprob == p.logprob >= p.top_logprobs[1].logprob
+        assert bytes(p.bytes).decode() == p.token
+    chunks = api.chat.completions.create(**options, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [p for c in chunks if c.choices and c.choices[0].logprobs for p in c.choices[0].logprobs.content]
+    assert [(p.token, p.logprob) for p in streamed] == [(p.token, p.logprob) for p in content]
+    plain = api.chat.completions.create(**options)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+
+    completion = api.completions.create(model="SmolLM2-135M-Instruct", prompt=contexts(1)[0] + "\n\nIn short, it",
+                                        max_tokens=5, temperature=0, logprobs=1)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(top == {token: value} for top, token, value in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs,
+                                                                  strict=True))  # fmt: skip
+
+
 # -- the HTTP layer alone, over an engine that fails midway ------------------------------------------------------
 class FailingEngine:
     """Emits one piece of text, then the error a failing generation reports (what Engine._run emits)."""
@@ -438,12 +526,12 @@ class FailingEngine:
         self.max_length, self.press_label = 8192, "test"
 
     def submit(self, job) -> None:
-        job.emit("text", "Hello")
+        job.emit("text", "Hello", None)
         job.emit("error", "generation failed: RuntimeError: boom")
 
 
 UNSUPPORTED_ASKED = {  # a value asking for what the server does not do, per field of protocol.UNSUPPORTED
-    "logprobs": True, "top_logprobs": 1, "echo": True, "best_of": 2, "suffix": "end", "presence_penalty": -0.5,
+    "echo": True, "best_of": 2, "suffix": "end", "presence_penalty": -0.5,
     "frequency_penalty": 1, "repetition_penalty": 1.2, "logit_bias": {"42": 100}, "response_format": {"type":
     "json_schema"}, "tools": [{"type": "function"}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
@@ -462,8 +550,24 @@ def test_openai_options_the_server_does_not_implement_are_refused_unless_left_at
                 parse(schema, {**base, name: value})
             assert (refused.value.status, refused.value.param) == (400, name)
         parse(schema, {**base, **{name: None for name in UNSUPPORTED}, "user": "u-1", "vendor_option": 1})
-    with pytest.raises(ApiError, match="^logprobs"):  # completions' 0 asks for the chosen tokens' log probabilities
-        parse(CompletionRequest, {"prompt": "hi", "logprobs": 0})
+
+
+def test_logprobs_requests_map_to_how_many_alternatives_per_token():
+    from kvcompress.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse, top_logprobs
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    cases = [(ChatRequest, chat, None), (ChatRequest, {**chat, "logprobs": True}, 0),
+             (ChatRequest, {**chat, "logprobs": True, "top_logprobs": 20}, 20),
+             (ChatRequest, {**chat, "logprobs": False, "top_logprobs": 0}, None),
+             (CompletionRequest, {"prompt": "hi"}, None), (CompletionRequest, {"prompt": "hi", "logprobs": 0}, 0),
+             (CompletionRequest, {"prompt": "hi", "logprobs": 5}, 5)]  # fmt: skip
+    for schema, body, expected in cases:
+        assert top_logprobs(parse(schema, body)) == expected, body
+    for schema, body, param in [(ChatRequest, {**chat, "top_logprobs": 3}, "top_logprobs"),
+                                (ChatRequest, {**chat, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+                                (CompletionRequest, {"prompt": "hi", "logprobs": 21}, "logprobs")]:  # fmt: skip
+        with pytest.raises(ApiError, match=f"^{param}:"):
+            parse(schema, body)
 
 
 def test_sampling_at_the_edges_of_its_ranges():

@@ -14,8 +14,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvcompress.serve.engine import Engine, Job, QueueFull, TooLarge
-from kvcompress.serve.protocol import ApiError, ChatRequest, CompletionRequest, chat_split, completion_split, parse
+from kvcompress.serve.engine import Engine, Job, QueueFull, TokenLogprob, TooLarge
+from kvcompress.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    chat_split,
+    completion_split,
+    parse,
+    top_logprobs,
+)
 
 log = logging.getLogger("kvcompress.serve")
 
@@ -73,7 +81,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         top_p = 1.0 if req.top_p is None else float(req.top_p)
         return Job(context_ids, question_ids, max_tokens, temperature, top_p, req.seed, req.stop,
-                   flexible_max=flexible)
+                   flexible_max=flexible, top_logprobs=top_logprobs(req))
 
     async def start(job: Job, prompt_field: str) -> None:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
@@ -94,6 +102,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
             events = stream_events(request, job, rid, kind, req)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         finished, next_check = False, time.monotonic() + DISCONNECT_CHECK_S
         try:
             while not finished:
@@ -109,6 +118,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                     continue
                 if event[0] == "text":
                     text.append(event[1])
+                    logprobs += event[2] or []
                 elif event[0] == "error":
                     finished = True
                     raise ApiError(500, event[1])
@@ -121,11 +131,12 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
         content = "".join(text)
+        shaped = None if job.top_logprobs is None else openai_logprobs(logprobs, kind)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": shaped,
                       "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": content, "logprobs": shaped, "finish_reason": finish}
         obj = "chat.completion" if kind == "chat" else "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": served_model, "choices": [choice],
                 "usage": usage}
@@ -134,12 +145,13 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         now = int(time.time())
 
-        def chunk(content: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(content: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
+            shaped = None if logprobs is None else openai_logprobs(logprobs, kind)
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": content or "", "logprobs": shaped, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": now, "model": served_model, "choices": [choice]}
             return f"data: {json.dumps(body)}\n\n"
 
@@ -150,7 +162,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
             while True:
                 event = await job.events.get()
                 if event[0] == "text":
-                    yield chunk(event[1], None)
+                    yield chunk(event[1], None, logprobs=event[2])
                 elif event[0] == "error":
                     yield f"data: {json.dumps(ApiError(500, event[1]).body())}\n\n"
                     break
@@ -243,6 +255,16 @@ class CountRequests:
         finally:
             route = scope["path"] if scope["path"] in KNOWN_ROUTES else "other"
             self.metrics.requests.labels(route=route, status=str(status[0] if status else 500)).inc()
+
+
+def openai_logprobs(logprobs: list[TokenLogprob], kind: str) -> dict:
+    """The ``logprobs`` object of a choice: chat's ``content`` list, or the completions API's parallel lists."""
+    if kind == "chat":
+        return {"content": [{"token": p.token, "logprob": p.logprob, "bytes": list(p.token.encode()),
+                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in p.top]}
+                            for p in logprobs], "refusal": None}
+    return {"tokens": [p.token for p in logprobs], "token_logprobs": [p.logprob for p in logprobs],
+            "top_logprobs": [dict(p.top) for p in logprobs], "text_offset": [p.offset for p in logprobs]}
 
 
 def error_response(err: ApiError) -> JSONResponse:

@@ -46,7 +46,9 @@ class TooLarge(Exception):
 @dataclass
 class Job:
     """One generation. Events go to ``events`` (an asyncio queue of the server's loop):
-    ``("text", delta)``, then ``("done", finish_reason, prompt_tokens, completion_tokens)`` or ``("error", msg)``."""
+    ``("text", delta, logprobs)``, then ``("done", finish_reason, prompt_tokens, completion_tokens)`` or
+    ``("error", msg)``. ``logprobs``: None (not asked: ``top_logprobs`` None), else the :class:`TokenLogprob` of the
+    tokens whose text the delta completes (a token cut by a stop string counts; the EOS token never does)."""
 
     context_ids: list[int]
     question_ids: list[int]
@@ -60,11 +62,24 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     rid: str = "-"
     flexible_max: bool = False  # max_tokens was not given: the server may lower it to fit its memory budget
+    top_logprobs: int | None = None  # None: no log probabilities; k: each token's and its k likeliest alternatives'
     submitted: float = field(default_factory=time.perf_counter)
 
     def emit(self, *event: Any) -> None:
         if self.loop is not None and self.events is not None:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability under the model (its raw next-token distribution: before temperature
+    and top_p), its text, where that text starts in the answer, and the ``top`` likeliest tokens as (text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    offset: int
+    top: tuple[tuple[str, float], ...]
 
 
 @dataclass
@@ -80,6 +95,9 @@ class Session:
     ids: list[int] = field(default_factory=list)
     pending: int = -1  # the last sampled token, fed at the next step
     sent: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per non-EOS token (top_logprobs asked)
+    ends: list[int] = field(default_factory=list)  # the answer's text length after each of those tokens
+    reported: int = 0  # logprobs sent with the text so far
     finish: str | None = None
     started: float = 0.0  # admission
     first_at: float = 0.0
@@ -212,22 +230,27 @@ class Engine:
         log.info("request %s question prefill: %d tokens in %.2f s; first token %.2f s after arrival (queued %.2f s)",
                  job.rid, n_q, now - start, now - job.submitted, started - job.submitted)
         token = sample(out.logits[0, -1], job.temperature, job.top_p, generator)
-        if not self.advance(session, token):
+        if not self.advance(session, token, out.logits[0, -1]):
             session.rows = session_rows(cache)
             session.need = max(r.keys.shape[-2] for r in session.rows) + job.max_tokens - len(session.ids)
         return session
 
-    def advance(self, session: Session, token: int) -> bool:
-        """Take a sampled token: stream what can be sent; True (and ``finish`` set) when the session is done."""
+    def advance(self, session: Session, token: int, logits: torch.Tensor) -> bool:
+        """Take a token sampled from ``logits`` (``[vocab]``): stream what can be sent; True (and ``finish`` set)
+        when the session is done."""
         job = session.job
         session.ids.append(token)
         if token in self.eos_ids:
             session.finish = "stop"
             return True
         text = self.tokenizer.decode(session.ids, skip_special_tokens=True)
+        if job.top_logprobs is not None:
+            session.logprobs.append(self.token_logprob(token, logits, session.ends[-1] if session.ends else 0,
+                                                       job.top_logprobs))
+            session.ends.append(len(text))
         safe, stopped = session.stop.cut(text)
-        if safe > session.sent:
-            job.emit("text", text[session.sent:safe])
+        if safe > session.sent or (stopped and session.reported < len(session.logprobs)):
+            job.emit("text", text[session.sent:safe], self.sent_logprobs(session, safe, cut=stopped))
             session.sent = safe
         if stopped:
             session.finish = "stop"
@@ -253,8 +276,8 @@ class Engine:
             return
         if not session.stop.stopped:
             text = self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
-            if len(text) > session.sent:
-                job.emit("text", text[session.sent:])
+            if len(text) > session.sent or session.reported < len(session.logprobs):
+                job.emit("text", text[session.sent:], self.sent_logprobs(session, None))
         log.info("request %s decode: %d tokens in %.2f s (%.1f tokens/s), finish %s, batch %d", job.rid, len(ids),
                  seconds, (len(ids) - 1) / seconds if seconds > 0 and len(ids) > 1 else 0.0, session.finish, batch)
         job.emit("done", session.finish, len(job.context_ids) + len(job.question_ids), len(ids))
@@ -266,8 +289,31 @@ class Engine:
         while session.finish is None:
             logits = decode_step(self.model, batch, [session.pending], [session.position])
             session.position += 1
-            self.advance(session, sample(logits[0], job.temperature, job.top_p, session.generator))
+            self.advance(session, sample(logits[0], job.temperature, job.top_p, session.generator), logits[0])
         self.close(session)
+
+    def token_logprob(self, token: int, logits: torch.Tensor, offset: int, top: int) -> TokenLogprob:
+        """``token``'s log probability under ``logits`` (float64 log-softmax) and the ``top`` likeliest tokens'."""
+        logprobs = torch.log_softmax(logits.detach().double().cpu(), -1)
+        best = logprobs.topk(top) if top else None
+        alternatives = () if best is None else tuple(
+            (self.tokenizer.decode([i]), v) for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True))
+        return TokenLogprob(token, self.tokenizer.decode([token]), float(logprobs[token]), offset, alternatives)
+
+    @staticmethod
+    def sent_logprobs(session: Session, sent: int | None, cut: bool = False) -> list[TokenLogprob] | None:
+        """The logprobs not yet reported of the tokens whose text ends within the first ``sent`` characters, and
+        with ``cut`` (a stop string ends the answer there) of those whose text starts before; ``sent`` None: every
+        one left (the answer's last piece). None when the request asked for none."""
+        if session.job.top_logprobs is None:
+            return None
+        count = session.reported
+        while count < len(session.logprobs) and (
+            sent is None or session.ends[count] <= sent or (cut and session.logprobs[count].offset < sent)
+        ):
+            count += 1
+        new, session.reported = session.logprobs[session.reported:count], count
+        return new
 
 
 class StopText:

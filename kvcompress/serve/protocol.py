@@ -1,8 +1,8 @@
 """OpenAI request schemas, their validation and OpenAI-shaped errors.
 
 Statuses: 400 a value the server cannot use (body not JSON, empty ``messages``, ``n`` other than 1, a number out
-of range, an OpenAI option this server does not implement set to anything but its default (``UNSUPPORTED``: log
-probabilities, penalties, tools, ...), the last message not from the user or without text, text that is not valid
+of range, an OpenAI option this server does not implement set to anything but its default (``UNSUPPORTED``:
+penalties, tools, echo, ...), the last message not from the user or without text, text that is not valid
 Unicode); 401 a wrong API key; 404 an unknown model or route; 413 a prompt longer than the model's maximum; 422 a
 missing field or one of the wrong type (a non-integer ``max_tokens``, an unknown role); 429 the worker's queue is
 full. Every message starts with the field it is about. Fields OpenAI's API does not have are ignored.
@@ -55,12 +55,9 @@ def _unset(value: Any) -> bool:
 
 # OpenAI fields this server does not implement, and the values that ask for nothing (clients send defaults):
 # anything else is refused (400), never ignored, since an answer without them would look served.
-_NO_LOGPROBS = "this server returns no log probabilities"
 _SAMPLING = "this server samples with temperature, top_p and seed only"
 _NO_TOOLS = "this server does not call tools"
 UNSUPPORTED = {
-    "logprobs": (lambda v: v is None or v is False, _NO_LOGPROBS),  # completions' 0 asks for the chosen tokens'
-    "top_logprobs": (_unset, _NO_LOGPROBS),
     "echo": (_unset, "this server does not echo the prompt"),
     "best_of": (lambda v: v is None or (type(v) is int and v == 1), "this server generates one completion per request"),
     "suffix": (_unset, "this server does not insert text before a suffix"),
@@ -94,11 +91,24 @@ class _Sampling(_Schema):
 class ChatRequest(_Sampling):
     messages: list[Message]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr]
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    logprobs: StrictInt | None = None  # k: each token's log probability and its k likeliest alternatives'
+
+MAX_TOP_LOGPROBS = 20
+
+
+def top_logprobs(request: _Sampling) -> int | None:
+    """How many alternatives per token the request asks log probabilities for (0: the chosen token's only), or None
+    for no log probabilities (chat: ``logprobs`` / ``top_logprobs``; completions: ``logprobs``)."""
+    if isinstance(request, ChatRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
 
 
 def _field(loc: tuple) -> str:
@@ -153,6 +163,16 @@ def check_values(request: _Sampling) -> None:
     for name, value in (request.model_extra or {}).items():
         if name in UNSUPPORTED and not UNSUPPORTED[name][0](value):
             raise ApiError(400, f"{name}: {UNSUPPORTED[name][1]}; leave it unset (got {value!r})"[:500], name)
+    if isinstance(request, ChatRequest) and request.top_logprobs is not None:
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                                f"{request.top_logprobs}", "top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+    if isinstance(request, CompletionRequest) and request.logprobs is not None:
+        if not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}",
+                           "logprobs")
     request.n = 1 if request.n is None else request.n
     request.stream = bool(request.stream)
     name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"

@@ -310,7 +310,7 @@ class Scheduler:
                                                                    session.generator)
             self.metrics.inter_token_seconds.observe(now - session.last_at)
             session.last_at = now
-            if self.engine.advance(session, token):
+            if self.engine.advance(session, token, logits[b]):
                 done.append(b)
         seconds = time.perf_counter() - start
         self._owed -= seconds
