@@ -358,7 +358,8 @@ BAD_INPUTS = [  # (body, status, param)
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -2}, 400, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),  # more than the server's --max-queue 8
     ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, 413, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, 400, "max_tokens"),
@@ -515,6 +516,29 @@ def test_logprobs_through_the_openai_client(server):
                                                                   strict=True))  # fmt: skip
 
 
+@pytest.mark.slow
+def test_several_choices_per_request(server):
+    """``n`` choices over one stored context: choice ``i`` is the answer a lone request with ``seed + i`` gets,
+    streamed or not, and the usage counts the prompt once and every choice's tokens."""
+    api = client(server)
+    options = dict(model="SmolLM2-135M-Instruct", messages=doc_question(contexts(1)[0], QUESTIONS[1]), max_tokens=6,
+                   temperature=1.0)
+    reply = api.chat.completions.create(**options, n=3, seed=5)
+    alone = [api.chat.completions.create(**options, seed=5 + i) for i in range(3)]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [a.choices[0].message.content for a in alone]
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in api.chat.completions.create(**options, n=3, seed=5, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert list(texts.values()) == [c.message.content for c in reply.choices]
+    completion = api.completions.create(model="SmolLM2-135M-Instruct", prompt=contexts(1)[0] + "\n\nIn short, it",
+                                        max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in completion.choices] == [0, 1] and completion.choices[0].text == completion.choices[1].text
+
+
 # -- the HTTP layer alone, over an engine that fails midway ------------------------------------------------------
 class FailingEngine:
     """Emits one piece of text, then the error a failing generation reports (what Engine._run emits)."""
@@ -523,11 +547,11 @@ class FailingEngine:
         from kvcompress.serve.metrics import ServerMetrics
 
         self.tokenizer, self.metrics, self.store = tokenizer, ServerMetrics(), ContextStore(0)
-        self.max_length, self.press_label = 8192, "test"
+        self.max_length, self.press_label, self.max_queue = 8192, "test", 8
 
-    def submit(self, job) -> None:
-        job.emit("text", "Hello", None)
-        job.emit("error", "generation failed: RuntimeError: boom")
+    def submit(self, jobs) -> None:
+        jobs[0].emit("text", "Hello", None)
+        jobs[0].emit("error", "generation failed: RuntimeError: boom")
 
 
 UNSUPPORTED_ASKED = {  # a value asking for what the server does not do, per field of protocol.UNSUPPORTED

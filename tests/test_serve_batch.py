@@ -509,16 +509,37 @@ def test_admission_names_what_to_change_when_a_request_cannot_fit():
         huge = Job(list(range(4004)), [1, 2], max_tokens=1)  # 1001 rows once compressed: 100,100 bytes
         for job in (huge, Job(huge.context_ids, [1, 2], max_tokens=500, flexible_max=True)):
             with pytest.raises(TooLarge, match="^the prompt's context needs about") as error:
-                scheduler.submit(job)
+                scheduler.submit([job])
             assert error.value.param == "prompt"
         with pytest.raises(TooLarge, match=r"^max_tokens: .* room for 2000 tokens") as error:
-            scheduler.submit(Job(list(range(400)), [1, 2], max_tokens=2000))
+            scheduler.submit([Job(list(range(400)), [1, 2], max_tokens=2000)])
         assert error.value.param == "max_tokens"
         # room: (100,000 - 10) // 100 = 999 batch rows, for the context's rows, the question's 2 and max_tokens - 1
         for context, expected in ((400, 999 - 100 - 2 + 1), (3992, 1)):  # 100 and 998 context rows
             job = Job(list(range(context)), [1, 2], max_tokens=5000, flexible_max=True)
             with pytest.raises(Exception, match="queue"):  # fits: it reaches the (empty) queue
-                scheduler.submit(job)
+                scheduler.submit([job])
             assert job.max_tokens == expected
+    finally:
+        scheduler.stop()
+
+
+def test_a_requests_choices_are_queued_all_or_none():
+    """``n`` choices need ``n`` places in the queue: with fewer left, the request is refused whole (nothing waits
+    for choices that would never all run)."""
+    from types import SimpleNamespace
+
+    from kvcompress.serve.engine import Job, QueueFull
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.scheduler import Scheduler
+
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
+                             batch_row_bytes=100, batch_session_bytes=10)  # fmt: skip
+    scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=2)
+    try:
+        jobs = [Job(list(range(400)), [1, 2], max_tokens=5, index=i) for i in range(3)]
+        with pytest.raises(QueueFull, match="queue"):
+            scheduler.submit(jobs)
+        assert not scheduler._waiting
     finally:
         scheduler.stop()

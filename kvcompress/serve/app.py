@@ -65,12 +65,16 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                            "model", "model_not_found")
         return req
 
-    def make_job(req, context_ids: list[int], question_ids: list[int], field: str) -> Job:
+    def make_jobs(req, context_ids: list[int], question_ids: list[int], field: str) -> list[Job]:
+        """One job per choice (``n``); choice ``i > 0`` draws with ``seed + i`` (wrapped into the seed's range)."""
         prompt = len(context_ids) + len(question_ids)
         limit = engine.max_length
         if limit is not None and prompt >= limit:
             raise ApiError(413, f"{field}: the prompt is {prompt} tokens; the model's maximum context is {limit} "
                                 "tokens (prompt plus at least one generated token)", field, "context_length_exceeded")
+        if req.n > engine.max_queue:
+            raise ApiError(400, f"n: at most {engine.max_queue} choices per request on this server (its queue, "
+                                f"--max-queue), got {req.n}", "n")
         max_tokens, flexible = req.max_tokens, req.max_tokens is None
         if max_tokens is None:
             max_tokens = (limit - prompt) if limit is not None else 4096
@@ -80,34 +84,47 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                                 f"so at most {limit - prompt} tokens can be generated, got {max_tokens}", name)
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         top_p = 1.0 if req.top_p is None else float(req.top_p)
-        return Job(context_ids, question_ids, max_tokens, temperature, top_p, req.seed, req.stop,
-                   flexible_max=flexible, top_logprobs=top_logprobs(req))
 
-    async def start(job: Job, prompt_field: str) -> None:
-        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        def seed(index: int) -> int | None:
+            if req.seed is None or index == 0:
+                return req.seed
+            return (req.seed + 2**63 + index) % 2**64 - 2**63
+
+        return [Job(context_ids, question_ids, max_tokens, temperature, top_p, seed(i), req.stop,
+                    flexible_max=flexible, top_logprobs=top_logprobs(req), index=i) for i in range(req.n)]
+
+    async def start(jobs: list[Job], prompt_field: str) -> asyncio.Queue:
+        """Submit a request's jobs, all or none; their events arrive on the returned queue."""
+        events: asyncio.Queue = asyncio.Queue()
+        for job in jobs:
+            job.loop, job.events = asyncio.get_running_loop(), events
         try:
-            engine.submit(job)
+            engine.submit(jobs)
         except QueueFull as err:
             raise ApiError(429, f"queue: {err}", "queue", "queue_full", {"Retry-After": str(err.retry_after)}) from None
         except TooLarge as err:
             param = prompt_field if err.param == "prompt" else err.param
             message = str(err) if str(err).startswith(param) else f"{param}: {err}"
             raise ApiError(413, message, param, "memory_budget_exceeded") from None
+        return events
 
-    async def respond(request: Request, req, job: Job, kind: str):
+    async def respond(request: Request, req, jobs: list[Job], kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        job.rid = rid
-        await start(job, "messages" if kind == "chat" else "prompt")
+        for job in jobs:
+            job.rid = rid if len(jobs) == 1 else f"{rid}/{job.index}"
+        events = await start(jobs, "messages" if kind == "chat" else "prompt")
         if req.stream:
-            events = stream_events(request, job, rid, kind, req)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        finished, next_check = False, time.monotonic() + DISCONNECT_CHECK_S
+            stream = stream_events(request, jobs, events, rid, kind, req)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text: list[list[str]] = [[] for _ in jobs]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in jobs]
+        finish: list[str | None] = [None for _ in jobs]
+        prompt_tokens = completion_tokens = 0
+        open_jobs, next_check = len(jobs), time.monotonic() + DISCONNECT_CHECK_S
         try:
-            while not finished:
+            while open_jobs:
                 try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_CHECK_S)
+                    event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
                     event = None
                 if time.monotonic() >= next_check:  # on a clock: tokens arrive faster than the check's period
@@ -116,77 +133,85 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                         return Response(status_code=499)
                 if event is None:
                     continue
-                if event[0] == "text":
-                    text.append(event[1])
-                    logprobs += event[2] or []
-                elif event[0] == "error":
-                    finished = True
-                    raise ApiError(500, event[1])
+                index, what, *rest = event
+                if what == "text":
+                    text[index].append(rest[0])
+                    logprobs[index] += rest[1] or []
+                elif what == "error":
+                    raise ApiError(500, rest[0])
                 else:
-                    _, finish, prompt_tokens, completion_tokens = event
-                    finished = True
+                    finish[index], prompt_tokens, completed = rest
+                    completion_tokens += completed
+                    open_jobs -= 1
         finally:
-            if not finished:  # the client went away: stop the generation
-                job.cancelled.set()
+            if open_jobs:  # the client went away, or a choice failed: stop every generation
+                for job in jobs:
+                    job.cancelled.set()
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
-        content = "".join(text)
-        shaped = None if job.top_logprobs is None else openai_logprobs(logprobs, kind)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": shaped,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": shaped, "finish_reason": finish}
+        choices = []
+        for job in jobs:
+            content = "".join(text[job.index])
+            shaped = None if job.top_logprobs is None else openai_logprobs(logprobs[job.index], kind)
+            if kind == "chat":
+                choices.append({"index": job.index, "message": {"role": "assistant", "content": content},
+                                "logprobs": shaped, "finish_reason": finish[job.index]})
+            else:
+                choices.append({"index": job.index, "text": content, "logprobs": shaped,
+                                "finish_reason": finish[job.index]})
         obj = "chat.completion" if kind == "chat" else "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": served_model, "choices": [choice],
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": served_model, "choices": choices,
                 "usage": usage}
 
-    async def stream_events(request: Request, job: Job, rid: str, kind: str, req) -> AsyncIterator[str]:
+    async def stream_events(request: Request, jobs: list[Job], events: asyncio.Queue, rid: str, kind: str,
+                            req) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         now = int(time.time())
 
-        def chunk(content: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
+        def chunk(index: int, content: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
             shaped = None if logprobs is None else openai_logprobs(logprobs, kind)
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
-                choice = {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": content or "", "logprobs": shaped, "finish_reason": finish}
+                choice = {"index": index, "text": content or "", "logprobs": shaped, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": now, "model": served_model, "choices": [choice]}
             return f"data: {json.dumps(body)}\n\n"
 
-        done = False
+        open_jobs, prompt_tokens, completion_tokens = len(jobs), 0, 0
         try:
             if kind == "chat":
-                yield chunk(None, None, role=True)
-            while True:
-                event = await job.events.get()
-                if event[0] == "text":
-                    yield chunk(event[1], None, logprobs=event[2])
-                elif event[0] == "error":
-                    yield f"data: {json.dumps(ApiError(500, event[1]).body())}\n\n"
+                for job in jobs:
+                    yield chunk(job.index, None, None, role=True)
+            while open_jobs:
+                index, what, *rest = await events.get()
+                if what == "text":
+                    yield chunk(index, rest[0], None, logprobs=rest[1])
+                elif what == "error":  # the stream ends here; the other choices are stopped below
+                    yield f"data: {json.dumps(ApiError(500, rest[0]).body())}\n\n"
                     break
                 else:
-                    _, finish, prompt_tokens, completion_tokens = event
-                    yield chunk(None, finish)
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                 "total_tokens": prompt_tokens + completion_tokens}
-                        body = {"id": rid, "object": obj, "created": now, "model": served_model, "choices": [],
-                                "usage": usage}
-                        yield f"data: {json.dumps(body)}\n\n"
-                    break
-            done = True
+                    finish, prompt_tokens, completed = rest
+                    completion_tokens += completed
+                    open_jobs -= 1
+                    yield chunk(index, None, finish)
+            if not open_jobs and req.stream_options is not None and req.stream_options.include_usage:
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+                body = {"id": rid, "object": obj, "created": now, "model": served_model, "choices": [],
+                        "usage": usage}
+                yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (or the response was cancelled): stop the generation
-                job.cancelled.set()
+            if open_jobs:  # the client went away, a choice failed, or the response was cancelled: stop them all
+                for job in jobs:
+                    job.cancelled.set()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await read(request, ChatRequest)
         context_ids, question_ids = chat_split(engine.tokenizer, req.messages)
-        return await respond(request, req, make_job(req, context_ids, question_ids, "messages"), "chat")
+        return await respond(request, req, make_jobs(req, context_ids, question_ids, "messages"), "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -198,7 +223,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         if not question_ids:
             raise ApiError(400, "prompt: must end with text after its last blank line (the part not compressed)",
                            "prompt")
-        return await respond(request, req, make_job(req, context_ids, question_ids, "prompt"), "completion")
+        return await respond(request, req, make_jobs(req, context_ids, question_ids, "prompt"), "completion")
 
     @app.get("/v1/models")
     async def models(request: Request):

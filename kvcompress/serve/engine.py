@@ -45,10 +45,11 @@ class TooLarge(Exception):
 
 @dataclass
 class Job:
-    """One generation. Events go to ``events`` (an asyncio queue of the server's loop):
-    ``("text", delta, logprobs)``, then ``("done", finish_reason, prompt_tokens, completion_tokens)`` or
-    ``("error", msg)``. ``logprobs``: None (not asked: ``top_logprobs`` None), else the :class:`TokenLogprob` of the
-    tokens whose text the delta completes (a token cut by a stop string counts; the EOS token never does)."""
+    """One generation (one choice of a request: ``index``). Events go to ``events`` (an asyncio queue of the server's
+    loop, shared by a request's choices), each led by ``index``: ``("text", delta, logprobs)``, then ``("done",
+    finish_reason, prompt_tokens, completion_tokens)`` or ``("error", msg)``. ``logprobs``: None (not asked:
+    ``top_logprobs`` None), else the :class:`TokenLogprob` of the tokens whose text the delta completes (a token cut
+    by a stop string counts; the EOS token never does)."""
 
     context_ids: list[int]
     question_ids: list[int]
@@ -63,11 +64,12 @@ class Job:
     rid: str = "-"
     flexible_max: bool = False  # max_tokens was not given: the server may lower it to fit its memory budget
     top_logprobs: int | None = None  # None: no log probabilities; k: each token's and its k likeliest alternatives'
+    index: int = 0
     submitted: float = field(default_factory=time.perf_counter)
 
     def emit(self, *event: Any) -> None:
         if self.loop is not None and self.events is not None:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, *event))
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Engine:
         self.model_name, self.press_label = model_name, press_label
         self.store, self.metrics = store, metrics
         self.prefix_min_fraction = prefix_min_fraction
+        self.max_queue = max_queue
         self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -139,8 +142,9 @@ class Engine:
                                    else decode_per_prefill)
 
     # -- HTTP side ---------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        self.scheduler.submit(job)
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue a request's choices, all or none."""
+        self.scheduler.submit(jobs)
 
     def shutdown(self) -> None:
         self.scheduler.stop()

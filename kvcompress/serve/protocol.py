@@ -1,11 +1,11 @@
 """OpenAI request schemas, their validation and OpenAI-shaped errors.
 
-Statuses: 400 a value the server cannot use (body not JSON, empty ``messages``, ``n`` other than 1, a number out
-of range, an OpenAI option this server does not implement set to anything but its default (``UNSUPPORTED``:
-penalties, tools, echo, ...), the last message not from the user or without text, text that is not valid
-Unicode); 401 a wrong API key; 404 an unknown model or route; 413 a prompt longer than the model's maximum; 422 a
-missing field or one of the wrong type (a non-integer ``max_tokens``, an unknown role); 429 the worker's queue is
-full. Every message starts with the field it is about. Fields OpenAI's API does not have are ignored.
+Statuses: 400 a value the server cannot use (body not JSON, empty ``messages``, a number out of range, an OpenAI
+option this server does not implement set to anything but its default (``UNSUPPORTED``: penalties, tools, echo,
+...), the last message not from the user or without text, text that is not valid Unicode); 401 a wrong API key;
+404 an unknown model or route; 413 a prompt longer than the model's maximum; 422 a missing field or one of the
+wrong type (a non-integer ``max_tokens``, an unknown role); 429 the worker's queue is full. Every message starts
+with the field it is about. Fields OpenAI's API does not have are ignored.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class CompletionRequest(_Sampling):
     logprobs: StrictInt | None = None  # k: each token's log probability and its k likeliest alternatives'
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 128  # OpenAI's; a server also takes at most its --max-queue
 
 
 def top_logprobs(request: _Sampling) -> int | None:
@@ -184,8 +185,8 @@ def check_values(request: _Sampling) -> None:
         raise ApiError(400, f"top_p: must be in (0, 1], got {request.top_p}", "top_p")
     if request.seed is not None and not -(2**63) <= request.seed < 2**64:
         raise ApiError(400, f"seed: must be an integer in [-2^63, 2^64), got {request.seed}", "seed")
-    if request.n != 1:
-        raise ApiError(400, f"n: this server generates one choice per request (n=1), got {request.n}", "n")
+    if not 1 <= request.n <= MAX_CHOICES:
+        raise ApiError(400, f"n: must be an integer in [1, {MAX_CHOICES}] (choices per request), got {request.n}", "n")
     stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(400, f"stop: up to 4 non-empty strings, got {request.stop!r}", "stop")

@@ -87,7 +87,27 @@ class Scheduler:
         self._thread.start()
 
     # -- HTTP side ---------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue every job of a request (its choices) or none: ``TooLarge`` if one cannot fit the memory budget
+        even alone, ``QueueFull`` if the queue has no room for all of them."""
+        for job in jobs:
+            self._check_size(job)
+        with self._cond:
+            if len(self._waiting) + len(jobs) > self.max_queue:
+                wait = math.ceil(len(self._waiting) * self._seconds_per_request / self.max_batch)
+                raise QueueFull(max(1, wait), "the queue of waiting requests is full")
+            self._waiting.extend(jobs)
+            waiting = len(self._waiting)
+            self._cond.notify()
+        self.metrics.queue_depth.set(waiting)
+        for job in jobs:
+            log.info("request %s queued: context %d tokens, question %d tokens, max_tokens %d (%d waiting, %d "
+                     "decoding)", job.rid, len(job.context_ids), len(job.question_ids), job.max_tokens, waiting,
+                     len(self.active))
+
+    def _check_size(self, job: Job) -> None:
+        """``TooLarge`` unless ``job`` fits the memory budget with nothing else resident (a job without a
+        ``max_tokens`` of its own is lowered to what fits)."""
         need, context_bytes, _ = self._estimate(job, peek=True)
         alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))  # the stored copy may be dropped
         if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
@@ -105,16 +125,6 @@ class Scheduler:
                 f"max_tokens: this request needs about {alone / 2**20:.1f} MiB resident (its context's cache and "
                 f"room for {job.max_tokens} tokens), more than the server's memory budget of "
                 f"{self.memory / 2**20:.1f} MiB (--cache-memory); ask for fewer tokens")
-        with self._cond:
-            if len(self._waiting) >= self.max_queue:
-                wait = math.ceil(len(self._waiting) * self._seconds_per_request / self.max_batch)
-                raise QueueFull(max(1, wait), "the queue of waiting requests is full")
-            self._waiting.append(job)
-            waiting = len(self._waiting)
-            self._cond.notify()
-        self.metrics.queue_depth.set(waiting)
-        log.info("request %s queued: context %d tokens, question %d tokens, max_tokens %d (%d waiting, %d decoding)",
-                 job.rid, len(job.context_ids), len(job.question_ids), job.max_tokens, waiting, len(self.active))
 
     def stop(self) -> None:
         with self._cond:
