@@ -370,7 +370,10 @@ BAD_INPUTS = [  # (body, status, param)
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),  # logprobs unset
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"7": 101}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
      "response_format"),
 ]
@@ -517,6 +520,23 @@ def test_logprobs_through_the_openai_client(server):
 
 
 @pytest.mark.slow
+def test_logit_bias_and_penalties_through_the_server(server):
+    """A +100 bias makes one token the whole greedy answer; penalties within range are served (their arithmetic:
+    the test above)."""
+    from transformers import AutoTokenizer
+
+    from kvcompress.models import embedded_model_dir
+
+    api = client(server)
+    options = dict(model="SmolLM2-135M-Instruct", messages=doc_question(contexts(1)[0], QUESTIONS[0]), max_tokens=4,
+                   temperature=0)
+    forced = api.chat.completions.create(**options, logit_bias={"1000": 100}).choices[0].message.content
+    assert forced == 4 * AutoTokenizer.from_pretrained(embedded_model_dir()).decode([1000])
+    penalised = api.chat.completions.create(**options, presence_penalty=2, frequency_penalty=-2)
+    assert penalised.choices[0].message.content and penalised.usage.completion_tokens >= 1
+
+
+@pytest.mark.slow
 def test_several_choices_per_request(server):
     """``n`` choices over one stored context: choice ``i`` is the answer a lone request with ``seed + i`` gets,
     streamed or not, and the usage counts the prompt once and every choice's tokens."""
@@ -547,7 +567,7 @@ class FailingEngine:
         from kvcompress.serve.metrics import ServerMetrics
 
         self.tokenizer, self.metrics, self.store = tokenizer, ServerMetrics(), ContextStore(0)
-        self.max_length, self.press_label, self.max_queue = 8192, "test", 8
+        self.max_length, self.press_label, self.max_queue, self.vocab_size = 8192, "test", 8, len(tokenizer)
 
     def submit(self, jobs) -> None:
         jobs[0].emit("text", "Hello", None)
@@ -555,10 +575,9 @@ class FailingEngine:
 
 
 UNSUPPORTED_ASKED = {  # a value asking for what the server does not do, per field of protocol.UNSUPPORTED
-    "echo": True, "best_of": 2, "suffix": "end", "presence_penalty": -0.5,
-    "frequency_penalty": 1, "repetition_penalty": 1.2, "logit_bias": {"42": 100}, "response_format": {"type":
-    "json_schema"}, "tools": [{"type": "function"}], "tool_choice": "auto", "functions": [{"name": "f"}],
-    "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
+    "echo": True, "best_of": 2, "suffix": "end", "repetition_penalty": 1.2, "response_format": {"type": "json_schema"},
+    "tools": [{"type": "function"}], "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
+    "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
 }
 
 
@@ -592,6 +611,29 @@ def test_logprobs_requests_map_to_how_many_alternatives_per_token():
                                 (CompletionRequest, {"prompt": "hi", "logprobs": 21}, "logprobs")]:  # fmt: skip
         with pytest.raises(ApiError, match=f"^{param}:"):
             parse(schema, body)
+
+
+def test_penalties_and_logit_bias_shape_the_logits_as_openai_defines_them():
+    """Greedy choice = argmax of logits + bias - frequency_penalty x count - presence_penalty x [count > 0] over the
+    answer's tokens so far (float64), for random logits and answers; the logits handed in are not changed."""
+    from kvcompress.serve.engine import Job
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        logits = torch.randn(40, generator=gen, dtype=torch.float64) * 2
+        before = logits.clone()
+        generated = torch.randint(0, 40, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen).tolist()
+        presence, frequency = (torch.rand(2, generator=gen, dtype=torch.float64) * 4 - 2).tolist()
+        bias = {int(t): float(b) for t, b in zip(torch.randint(0, 40, (3,), generator=gen),
+                                                  torch.rand(3, generator=gen) * 10 - 5, strict=True)}  # fmt: skip
+        job = Job([], [1], 4, temperature=0.0, presence_penalty=presence, frequency_penalty=frequency, logit_bias=bias)
+        shaped = logits.clone()
+        for token, value in bias.items():
+            shaped[token] += value
+        for token in set(generated):
+            shaped[token] -= frequency * generated.count(token) + presence
+        assert job.choose(logits, generated, None) == int(shaped.argmax()), trial
+        assert torch.equal(logits, before)
 
 
 def test_sampling_at_the_edges_of_its_ranges():

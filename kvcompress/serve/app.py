@@ -90,8 +90,15 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                 return req.seed
             return (req.seed + 2**63 + index) % 2**64 - 2**63
 
+        bias = {int(token): float(value) for token, value in (req.logit_bias or {}).items()}
+        unknown = [token for token in bias if token >= engine.vocab_size]
+        if unknown:
+            raise ApiError(400, f"logit_bias: token id {unknown[0]} is not in the model's vocabulary (ids 0 to "
+                                f"{engine.vocab_size - 1})", "logit_bias")
         return [Job(context_ids, question_ids, max_tokens, temperature, top_p, seed(i), req.stop,
-                    flexible_max=flexible, top_logprobs=top_logprobs(req), index=i) for i in range(req.n)]
+                    flexible_max=flexible, top_logprobs=top_logprobs(req), index=i, logit_bias=bias,
+                    presence_penalty=float(req.presence_penalty or 0),
+                    frequency_penalty=float(req.frequency_penalty or 0)) for i in range(req.n)]
 
     async def start(jobs: list[Job], prompt_field: str) -> asyncio.Queue:
         """Submit a request's jobs, all or none; their events arrive on the returned queue."""

@@ -65,6 +65,27 @@ class Job:
     flexible_max: bool = False  # max_tokens was not given: the server may lower it to fit its memory budget
     top_logprobs: int | None = None  # None: no log probabilities; k: each token's and its k likeliest alternatives'
     index: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether sampling changes the logits (penalties or a bias) before it draws."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def choose(self, logits: torch.Tensor, generated: list[int], generator: torch.Generator | None) -> int:
+        """The next token from the model's ``logits [vocab]`` after the ``generated`` tokens: the bias and the
+        penalties (OpenAI's: each token's logit lowered by ``presence_penalty`` once it occurs in the answer and by
+        ``frequency_penalty`` per occurrence), then :func:`sample`."""
+        if self.shapes_logits:
+            logits = logits.detach().to("cpu", torch.float64, copy=True)  # the raw ones stay for the logprobs
+            for token, bias in self.logit_bias.items():
+                logits[token] += bias
+            if generated and (self.presence_penalty or self.frequency_penalty):
+                counts = torch.bincount(torch.tensor(generated), minlength=logits.shape[0])[: logits.shape[0]]
+                logits -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0)
+        return sample(logits, self.temperature, self.top_p, generator)
     submitted: float = field(default_factory=time.perf_counter)
 
     def emit(self, *event: Any) -> None:
@@ -119,6 +140,7 @@ class Engine:
         self.store, self.metrics = store, metrics
         self.prefix_min_fraction = prefix_min_fraction
         self.max_queue = max_queue
+        self.vocab_size = int((getattr(model.config, "text_config", None) or model.config).vocab_size)
         self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -233,7 +255,7 @@ class Engine:
         self.metrics.ttft_seconds.observe(now - job.submitted)
         log.info("request %s question prefill: %d tokens in %.2f s; first token %.2f s after arrival (queued %.2f s)",
                  job.rid, n_q, now - start, now - job.submitted, started - job.submitted)
-        token = sample(out.logits[0, -1], job.temperature, job.top_p, generator)
+        token = job.choose(out.logits[0, -1], [], generator)
         if not self.advance(session, token, out.logits[0, -1]):
             session.rows = session_rows(cache)
             session.need = max(r.keys.shape[-2] for r in session.rows) + job.max_tokens - len(session.ids)
@@ -293,7 +315,7 @@ class Engine:
         while session.finish is None:
             logits = decode_step(self.model, batch, [session.pending], [session.position])
             session.position += 1
-            self.advance(session, sample(logits[0], job.temperature, job.top_p, session.generator), logits[0])
+            self.advance(session, job.choose(logits[0], session.ids, session.generator), logits[0])
         self.close(session)
 
     def token_logprob(self, token: int, logits: torch.Tensor, offset: int, top: int) -> TokenLogprob:

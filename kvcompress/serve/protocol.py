@@ -1,8 +1,8 @@
 """OpenAI request schemas, their validation and OpenAI-shaped errors.
 
 Statuses: 400 a value the server cannot use (body not JSON, empty ``messages``, a number out of range, an OpenAI
-option this server does not implement set to anything but its default (``UNSUPPORTED``: penalties, tools, echo,
-...), the last message not from the user or without text, text that is not valid Unicode); 401 a wrong API key;
+option this server does not implement set to anything but its default (``UNSUPPORTED``: tools, JSON formats,
+echo, ...), the last message not from the user or without text, text that is not valid Unicode); 401 a wrong API key;
 404 an unknown model or route; 413 a prompt longer than the model's maximum; 422 a missing field or one of the
 wrong type (a non-integer ``max_tokens``, an unknown role); 429 the worker's queue is full. Every message starts
 with the field it is about. Fields OpenAI's API does not have are ignored.
@@ -55,16 +55,13 @@ def _unset(value: Any) -> bool:
 
 # OpenAI fields this server does not implement, and the values that ask for nothing (clients send defaults):
 # anything else is refused (400), never ignored, since an answer without them would look served.
-_SAMPLING = "this server samples with temperature, top_p and seed only"
 _NO_TOOLS = "this server does not call tools"
 UNSUPPORTED = {
     "echo": (_unset, "this server does not echo the prompt"),
     "best_of": (lambda v: v is None or (type(v) is int and v == 1), "this server generates one completion per request"),
     "suffix": (_unset, "this server does not insert text before a suffix"),
-    "presence_penalty": (_unset, _SAMPLING),
-    "frequency_penalty": (_unset, _SAMPLING),
-    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1), _SAMPLING),
-    "logit_bias": (_unset, _SAMPLING),
+    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1),
+                           "this server takes OpenAI's presence_penalty and frequency_penalty instead"),
     "response_format": (lambda v: _unset(v) or v == {"type": "text"}, "this server generates plain text only"),
     "tools": (_unset, _NO_TOOLS),
     "tool_choice": (lambda v: _unset(v) or v == "none", _NO_TOOLS),
@@ -86,6 +83,9 @@ class _Sampling(_Schema):
     n: StrictInt | None = 1  # null: the default, as OpenAI's API takes it
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
 
 
 class ChatRequest(_Sampling):
@@ -102,6 +102,7 @@ class CompletionRequest(_Sampling):
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 128  # OpenAI's; a server also takes at most its --max-queue
+MAX_LOGIT_BIAS = 300
 
 
 def top_logprobs(request: _Sampling) -> int | None:
@@ -185,6 +186,17 @@ def check_values(request: _Sampling) -> None:
         raise ApiError(400, f"top_p: must be in (0, 1], got {request.top_p}", "top_p")
     if request.seed is not None and not -(2**63) <= request.seed < 2**64:
         raise ApiError(400, f"seed: must be an integer in [-2^63, 2^64), got {request.seed}", "seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value is not None and not -2 <= value <= 2:
+            raise ApiError(400, f"{name}: must be in [-2, 2], got {value}", name)
+    bias = request.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias: maps token ids (decimal strings) to a bias in [-100, 100], got "
+                                f"{key!r}: {value!r}"[:300], "logit_bias")
     if not 1 <= request.n <= MAX_CHOICES:
         raise ApiError(400, f"n: must be an integer in [1, {MAX_CHOICES}] (choices per request), got {request.n}", "n")
     stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])

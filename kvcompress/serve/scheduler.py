@@ -46,7 +46,7 @@ from collections import deque
 import torch
 
 from kvcompress.serve.batch import DecodeBatch, batch_bytes, build, decode_step
-from kvcompress.serve.engine import Job, QueueFull, Session, TooLarge, sample
+from kvcompress.serve.engine import Job, QueueFull, Session, TooLarge
 
 log = logging.getLogger("kvcompress.serve")
 DECODE_PER_PREFILL = 0.0  # --decode-per-prefill's default (see the module docstring)
@@ -316,8 +316,8 @@ class Scheduler:
         for b, session in enumerate(sessions):
             job = session.job
             session.position += 1
-            token = greedy[b] if job.temperature <= 0 else sample(logits[b], job.temperature, job.top_p,
-                                                                   session.generator)
+            plain_greedy = job.temperature <= 0 and not job.shapes_logits
+            token = greedy[b] if plain_greedy else job.choose(logits[b], session.ids, session.generator)
             self.metrics.inter_token_seconds.observe(now - session.last_at)
             session.last_at = now
             if self.engine.advance(session, token, logits[b]):
