@@ -25,7 +25,28 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 _TAG = "_kvcompress_layer"
 
 
-class WeightedLayer(DynamicLayer):
+class BatchRowOps:
+    """transformers' batch operations (beam search's ``reorder_cache``, ``batch_repeat_interleave`` for
+    ``num_return_sequences`` over a prefilled cache, ``batch_select_indices``) through one ``_take_batch_rows(index)``
+    that moves every per-row tensor a layer holds, not only its keys and values."""
+
+    def _take_batch_rows(self, index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: batch row ``i`` becomes row ``beam_idx[i]``."""
+        self._take_batch_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place."""
+        self._take_batch_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` (integer indices or a boolean mask)."""
+        self._take_batch_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
+
+
+class WeightedLayer(BatchRowOps, DynamicLayer):
     """A DynamicLayer whose first ``row_weights.shape[-1]`` rows are a compressed, weighted context.
 
     ``row_valid [b, r]`` (bool, None = all real): False on filler rows, which pad the compressed context of
@@ -103,18 +124,6 @@ class WeightedLayer(DynamicLayer):
         self._weights_buf, self._mask_buf = take(self._weights_buf), take(self._mask_buf)
         self._keys, self.values = take(self._keys), take(self.values)  # no setter: the range below stays valid
         self._range = (take(low), take(high), covered)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: batch row ``i`` becomes row ``beam_idx[i]``."""
-        self._take_batch_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every batch row ``repeats`` times in place (``num_return_sequences`` over a prefilled cache)."""
-        self._take_batch_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the batch rows ``indices`` (integer indices or a boolean mask)."""
-        self._take_batch_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         """Masks of a compressed cache are built in token space (the tokens it stands for, then the new ones):

@@ -21,6 +21,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
+from kvcompress.cache import BatchRowOps
+
 
 def layer_windows(model: PreTrainedModel) -> list[int | None]:
     """Per decoder layer, its sliding window in tokens, or None for a full-attention layer (transformers' rule:
@@ -48,7 +50,7 @@ def window_crop_target(max_length: int, held: int, context_tokens: int) -> int |
     return tokens
 
 
-class WindowLayer(DynamicSlidingWindowLayer):
+class WindowLayer(BatchRowOps, DynamicSlidingWindowLayer):
     """A sliding-window layer after a press: at most ``sliding_window - 1`` rows, ``cumulative_length`` tokens.
     ``real [b, >= rows]``: the prefill's padding mask (1 = real token) aligned to the end of ``keys``."""
 
@@ -130,15 +132,6 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.__dict__["_keys"], self.__dict__["_values"] = take(self.keys), take(self.values)
         self.context_keys, self.context_values = take(self.context_keys), take(self.context_values)
         self.context_real = take(self.context_real)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._take_batch_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._take_batch_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._take_batch_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
 
 
 def trim_to_windows(

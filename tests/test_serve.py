@@ -144,18 +144,12 @@ def test_logprobs_are_the_models_own_over_the_compressed_context(pipe):
     """Each reported token's log probability and its alternatives' equal a teacher-forced reading of the answer
     over the same stored compressed cache (float64 log-softmax of float32 logits: to 1e-4); the tokens' texts
     join to the answer, their offsets are where each starts, and a stop string keeps the token it cuts."""
-    from kvcompress.registry import make_press
-    from kvcompress.serve.engine import Engine, Job
-    from kvcompress.serve.metrics import ServerMetrics
-    from kvcompress.serve.protocol import Message, chat_split
+    from kvcompress.serve.engine import Job
     from kvcompress.serve.store import answer_view
 
     model, tokenizer = pipe.model, pipe.tokenizer
-    engine = Engine(model, tokenizer, model_name="m", press=make_press("compresskv", 0.75, 0), press_label="c",
-                    store=ContextStore(10**9), metrics=ServerMetrics())
+    engine, context_ids, question_ids = engine_and_question(pipe, "compresskv")
     try:
-        parts = [{"type": "text", "text": contexts(1)[0]}, {"type": "text", "text": QUESTIONS[0]}]
-        context_ids, question_ids = chat_split(tokenizer, [Message(role="user", content=parts)])
         with torch.inference_mode():
             runs = {}
             for stop in ([], None):
@@ -195,6 +189,20 @@ def test_logprobs_are_the_models_own_over_the_compressed_context(pipe):
             assert kept == logprobs[: len(kept)]  # the same seed draws the same tokens
     finally:
         engine.shutdown()
+
+
+def engine_and_question(pipe, method: str):
+    """An in-process engine over the pipeline's model with ``method`` at 25% kept, and the token ids of the first
+    context (compressed) and question (not) as the chat endpoint splits them."""
+    from kvcompress.registry import make_press
+    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.protocol import Message, chat_split
+
+    engine = Engine(pipe.model, pipe.tokenizer, model_name="m", press=make_press(method, 0.75, 0), press_label="c",
+                    store=ContextStore(10**9), metrics=ServerMetrics())
+    parts = [{"type": "text", "text": contexts(1)[0]}, {"type": "text", "text": QUESTIONS[0]}]
+    return engine, *chat_split(pipe.tokenizer, [Message(role="user", content=parts)])
 
 
 def contexts(count: int, tokens: int = 360) -> list[str]:
@@ -688,14 +696,10 @@ def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(
     from kvcompress.registry import make_press
     from kvcompress.serve.engine import Engine, Job
     from kvcompress.serve.metrics import ServerMetrics
-    from kvcompress.serve.protocol import Message, chat_split
 
     model, tokenizer = pipe.model, pipe.tokenizer
-    engine = Engine(model, tokenizer, model_name="m", press=make_press("compresskv", 0.75, 0), press_label="c",
-                    store=ContextStore(10**9), metrics=ServerMetrics())
+    engine, context_ids, question_ids = engine_and_question(pipe, "compresskv")
     try:
-        parts = [{"type": "text", "text": contexts(1)[0]}, {"type": "text", "text": QUESTIONS[0]}]
-        context_ids, question_ids = chat_split(tokenizer, [Message(role="user", content=parts)])
         stored = engine.context_cache(context_ids)
         assert isinstance(stored.layers[0], WeightedLayer)
         before = [(x, x.keys.clone(), x.values.clone(), x.row_weights.clone()) for x in stored.layers]
