@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget of everything resident: the stored compressed contexts and the decode "
                         "batch of the active sessions (default 2GiB)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for the model; more get 429 (default 64)")
+                   help="requests waiting for the model (a request's n choices take n places, and n is at most "
+                        "this); more get 429 (default 64)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="most sessions decoded together in one step (continuous batching); 1 serves one request "
                         "at a time (default 8)")

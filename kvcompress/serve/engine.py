@@ -68,6 +68,7 @@ class Job:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    submitted: float = field(default_factory=time.perf_counter)
 
     @property
     def shapes_logits(self) -> bool:
@@ -86,7 +87,6 @@ class Job:
                 counts = torch.bincount(torch.tensor(generated), minlength=logits.shape[0])[: logits.shape[0]]
                 logits -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0)
         return sample(logits, self.temperature, self.top_p, generator)
-    submitted: float = field(default_factory=time.perf_counter)
 
     def emit(self, *event: Any) -> None:
         if self.loop is not None and self.events is not None:

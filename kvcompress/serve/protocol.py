@@ -100,6 +100,7 @@ class CompletionRequest(_Sampling):
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     logprobs: StrictInt | None = None  # k: each token's log probability and its k likeliest alternatives'
 
+
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 128  # OpenAI's; a server also takes at most its --max-queue
 MAX_LOGIT_BIAS = 300
