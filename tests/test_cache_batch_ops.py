@@ -1,6 +1,7 @@
-"""transformers' batch operations on a compressed cache (beam search's reorder, ``batch_repeat_interleave`` for
-``num_return_sequences``, ``batch_select_indices``) move every row's weights, filler mask and value range with its
-keys: a cache reshaped by them answers as the original cache's rows do (tiny float64 models, CPU)."""
+"""transformers' generation features that reshape or cut a compressed cache: the batch operations (beam search's
+reorder, ``batch_repeat_interleave`` for ``num_return_sequences``, ``batch_select_indices``) move every row's
+weights, filler mask and value range with its keys, so a reshaped cache answers as the original cache's rows do;
+speculative decoding crops rejected drafts (tiny float64 models, CPU)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,24 @@ def test_beam_search_over_a_padded_batch_gives_each_rows_own_beams():
         with CompressKVPress(compression_ratio=0.75, seed=0)(model):
             alone = model.generate(context, attention_mask=torch.ones_like(context), **options)[:, context.shape[1]:]
         assert torch.equal(batched[2 * row : 2 * row + 2], alone), row
+
+
+@torch.no_grad()
+def test_assisted_decoding_over_a_compressed_cache_gives_the_greedy_answer(monkeypatch):
+    """Speculative decoding (an assistant model's draft verified several tokens at a time, rejected rows cropped
+    from the compressed cache) returns the tokens plain greedy decoding returns over the same cache."""
+    from kvcompress.cache import WeightedDynamicCache
+
+    crops = []
+    crop = WeightedDynamicCache.crop
+    monkeypatch.setattr(WeightedDynamicCache, "crop", lambda self, n: crops.append(n) or crop(self, n))
+    model = tiny_model("llama", dtype=torch.float64)
+    assistant = tiny_model("llama", dtype=torch.float64, seed=1)  # drafts that are often rejected
+    context, question = random_ids(150, seed=0), random_ids(5, seed=1)
+    cache = prefill(model, CompressKVPress(compression_ratio=0.75, seed=0), context)
+    ids = torch.cat([context, question], 1)
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    plain = model.generate(ids, past_key_values=copy.deepcopy(cache), **options)
+    drafted = model.generate(ids, past_key_values=copy.deepcopy(cache), assistant_model=assistant, **options)
+    assert torch.equal(drafted, plain) and plain.shape[1] == ids.shape[1] + 12
+    assert crops  # drafts were rejected and their rows cropped away
