@@ -120,6 +120,7 @@ def compress_by_rpnys(
             scaling=module.scaling,
             query_radius=query_radius if query_radius is None else query_radius[b : b + 1],
             seed=seed,
+            check_inputs=False,  # activations: the press reads each layer's finiteness once, after the prefill
         )
         for b in range(middle_keys.shape[0])
     ]

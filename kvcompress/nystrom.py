@@ -164,6 +164,7 @@ def compress_kv(
     query_radius: float | torch.Tensor | None = None,
     seed: int | None = None,
     backend: str = "auto",
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CompressKV (Alg. 2): a weighted coreset of ``rank`` rows for keys/values ``[..., n, d]``.
 
@@ -183,6 +184,11 @@ def compress_kv(
     :mod:`kvcompress.kernels.rpnys`: same draws, hence the same pivots up to float32 rounding; fp16 / bf16 /
     fp32 inputs, ``rank // bins <= 32``, bins of <= 256 rows) or ``"auto"`` (triton for CUDA tensors it
     supports when triton imports, else torch).
+
+    ``check_inputs=False`` does not read the inputs' values before the kernel (finite keys and values, a finite
+    positive ``query_radius``: on a GPU each read is a host-device sync); non-finite keys or values then give
+    non-finite values and weights instead of an error. For callers that check finiteness themselves (the paper
+    press reads every layer's once, after the prefill): the kernel's path then syncs once, on its result.
     """
     check_backend(backend)
     check_float_tensor("keys", keys, min_dim=2)
@@ -212,13 +218,22 @@ def compress_kv(
         seed = int(torch.randint(0, 2**62, (1,)).item())
     elif not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed: must be an int or None, got {seed!r}")
-    check_finite("keys", keys)
-    check_finite("values", values)
+    if not isinstance(check_inputs, bool):
+        raise ValueError(f"check_inputs: must be True or False, got {check_inputs!r}")
+    if check_inputs:
+        check_finite("keys", keys)
+        check_finite("values", values)
     if _use_triton(backend, keys, values, bins, per_bin):
-        result = _compress_kv_triton(keys, values, rank, bins, scaling, query_radius, seed)
+        result = _compress_kv_triton(keys, values, rank, bins, scaling, query_radius, seed, check_inputs)
         if bool(torch.isfinite(result[2]).all()):
             return result
         # exp(|y|^2 / 2) overflowed float32 in the kernel: the reference below redoes it in float64 (same draws).
+    if not check_inputs and not (bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())):
+        # Reached on CPU, or after the kernel's non-finite result: the caller reports the inputs.
+        nan = float("nan")
+        return (keys[..., :rank, :], values.new_full((*lead, rank, values.shape[-1]), nan),
+                torch.full((*lead, rank), nan, device=keys.device,
+                           dtype=torch.float64 if keys.dtype == torch.float64 else torch.float32))  # fmt: skip
 
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     problems = math.prod(lead)
@@ -240,7 +255,8 @@ def compress_kv(
     if query_radius is None:
         q_radius = key_radius
     else:
-        q_radius = _query_radius_tensor(query_radius, lead, keys.device).reshape(problems, 1).expand(problems, bins)
+        q_radius = _query_radius_tensor(query_radius, lead, keys.device, check_inputs)
+        q_radius = q_radius.reshape(problems, 1).expand(problems, bins)
     coefficient = kernel_coefficient(
         torch.tensor(scaling, dtype=torch.float64), q_radius, key_radius, sizes.to(torch.float64)[None, :]
     )
@@ -294,6 +310,7 @@ def _compress_kv_triton(
     scaling: float,
     query_radius: float | torch.Tensor | None,
     seed: int,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`compress_kv` through the fused kernel; the mean key is the only work done here."""
     from kvcompress.kernels.rpnys import rpnys_compress
@@ -305,7 +322,7 @@ def _compress_kv_triton(
     mean = flat_keys.mean(1, dtype=torch.float32)
     radius = None
     if query_radius is not None:
-        radius = _query_radius_tensor(query_radius, lead, keys.device).reshape(problems)
+        radius = _query_radius_tensor(query_radius, lead, keys.device, check_inputs).reshape(problems)
     selected_keys, compressed_values, row_weights = rpnys_compress(
         flat_keys, flat_values, mean, rank, bins, scaling, radius, rng.seed_key(seed)
     )
@@ -316,7 +333,9 @@ def _compress_kv_triton(
     )
 
 
-def _query_radius_tensor(query_radius: float | torch.Tensor, lead: list[int], device: torch.device) -> torch.Tensor:
+def _query_radius_tensor(
+    query_radius: float | torch.Tensor, lead: list[int], device: torch.device, check: bool = True
+) -> torch.Tensor:
     radius = torch.as_tensor(query_radius, dtype=torch.float64, device=device)
     try:
         radius = radius.expand(*lead) if lead else radius.reshape(())
@@ -324,6 +343,6 @@ def _query_radius_tensor(query_radius: float | torch.Tensor, lead: list[int], de
         raise ValueError(
             f"query_radius: shape {tuple(radius.shape)} is not broadcastable to the leading dims {tuple(lead)}"
         ) from err
-    if not bool(torch.isfinite(radius).all()) or bool((radius <= 0).any()):
+    if check and (not bool(torch.isfinite(radius).all()) or bool((radius <= 0).any())):
         raise ValueError("query_radius: must be finite and > 0")
     return radius

@@ -341,6 +341,47 @@ def test_compress_kv_rejects_bad_tensors(mutate, name):
         compress_kv(keys, values, 8)
 
 
+def test_unchecked_inputs_give_the_same_coreset_and_non_finite_output_for_non_finite_input():
+    """``check_inputs=False`` (the paper press's path: no value reads before the kernel) computes the same coreset
+    on finite inputs, and hands non-finite keys or values back as non-finite values and weights, not an error."""
+    keys, values = _kv()
+    radius = torch.rand(2, dtype=torch.float64) + 0.5
+    checked = compress_kv(keys, values, 8, bins=2, query_radius=radius, seed=3)
+    unchecked = compress_kv(keys, values, 8, bins=2, query_radius=radius, seed=3, check_inputs=False)
+    for a, b in zip(checked, unchecked, strict=True):
+        assert torch.equal(a, b)
+    bad = keys.index_fill(1, torch.tensor([3]), float("nan"))
+    with pytest.raises(ValueError, match="^keys: contains NaN"):
+        compress_kv(bad, values, 8)
+    k_s, v_s, w = compress_kv(bad, values, 8, check_inputs=False)
+    assert k_s.shape == v_s.shape == (2, 8, 8) and w.shape == (2, 8) and w.dtype == torch.float32
+    assert not torch.isfinite(w).any() and not torch.isfinite(v_s).any()
+    with pytest.raises(ValueError, match="^check_inputs"):
+        compress_kv(keys, values, 8, check_inputs=1)
+
+
+def test_the_paper_press_leaves_the_input_checks_to_its_read_after_the_prefill(monkeypatch):
+    """compress_kv's finiteness checks are host-device syncs on a GPU (two a layer and batch row, before the
+    kernel): the paper press skips them and relies on its one read after the prefill (the NaN-key test in
+    test_presses.py checks that read names the layer)."""
+    from transformers import DynamicCache
+
+    from kvcompress import CompressKVPress, nystrom
+    from kvcompress.cache import WeightedLayer
+    from tests.tiny_models import tiny_model
+
+    def refuse(name, x):
+        raise AssertionError(f"compress_kv checked {name}")
+
+    monkeypatch.setattr(nystrom, "check_finite", refuse)
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with torch.no_grad(), CompressKVPress.paper(0.75, seed=0)(model):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert isinstance(cache.layers[0], WeightedLayer) and cache.layers[0].keys.shape[-2] == 50
+
+
 def test_float32_overflow_falls_back_to_float64_selection():
     # Log-normal key norms with a large query radius push exp(|y|^2 / 2) past the float32 range.
     gen = torch.Generator().manual_seed(39)

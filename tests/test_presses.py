@@ -347,7 +347,9 @@ def test_crop_counts_tokens_and_refuses_to_cut_the_compressed_context():
     assert cache.layers[0].keys is before
 
 
-@pytest.mark.parametrize("press", [CompressKVPress(compression_ratio=0.5), CompressKVPress.thorough(0.5)])
+@pytest.mark.parametrize(
+    "press", [CompressKVPress(compression_ratio=0.5), CompressKVPress.thorough(0.5), CompressKVPress.paper(0.5)]
+)
 def test_a_layer_with_nan_keys_is_named_after_the_prefill(press):
     """The finiteness of every compressed layer is read once, after the prefill: the error names the first bad layer."""
     model = tiny_model("llama", num_hidden_layers=3)
