@@ -26,7 +26,8 @@ from eval.probe_workload import probe_args, warmed_prefills
 def parse(argv: list[str] | None) -> argparse.Namespace:
     return probe_args(
         "python -m eval.probe_syncs", __doc__.split("\n\n")[0], argv,
-        settings=["none", "snapkv", "default", "default_overlap", "thorough", "balanced", "balanced_overlap", "kvzip"],
+        settings=["none", "snapkv", "default", "default_overlap", "thorough", "balanced", "balanced_overlap", "kvzip",
+                  "paper"],
         tokens=8192, output="JSON file: setting -> {sync site: count}",
         needs_cuda="a CPU has no host-device syncs to count",
     )  # fmt: skip
