@@ -228,14 +228,13 @@ def compress_kv(
         if bool(torch.isfinite(result[2]).all()):
             return result
         # exp(|y|^2 / 2) overflowed float32 in the kernel: the reference below redoes it in float64 (same draws).
+    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     if not check_inputs and not (bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())):
         # Reached on CPU, or after the kernel's non-finite result: the caller reports the inputs.
         nan = float("nan")
         return (keys[..., :rank, :], values.new_full((*lead, rank, values.shape[-1]), nan),
-                torch.full((*lead, rank), nan, device=keys.device,
-                           dtype=torch.float64 if keys.dtype == torch.float64 else torch.float32))  # fmt: skip
+                torch.full((*lead, rank), nan, device=keys.device, dtype=compute))  # fmt: skip
 
-    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     problems = math.prod(lead)
     flat_keys = keys.reshape(problems, n, dim)
     flat_values = values.reshape(problems, n, values.shape[-1])
@@ -278,11 +277,10 @@ def compress_kv(
     pivots = torch.where(result.pivots >= 0, result.pivots, result.pivots[..., :1])
     global_rows = (starts[None, :, None] + pivots).reshape(problems, rank)
     selected_keys = flat_keys.gather(1, global_rows[..., None].expand(problems, rank, dim))
-    w_dtype = torch.float64 if compute == torch.float64 else torch.float32
     return (
         selected_keys.reshape(*lead, rank, dim),
         compressed_values.reshape(*lead, rank, values.shape[-1]).to(values.dtype),
-        row_weights.reshape(*lead, rank).to(w_dtype),
+        row_weights.reshape(*lead, rank).to(compute),  # float32 weights after a float64 fallback
     )
 
 

@@ -198,14 +198,10 @@ class StaticWeightedLayer(WeightedLayer):
         self.value_min.copy_(low)
         self.value_max.copy_(high)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def _take_batch_rows(self, index: torch.Tensor) -> None:
+        """Beam search and the other batch operations (:class:`kvcompress.cache.BatchRowOps`) are refused: the
+        buffers are fixed, one batch row."""
         raise ValueError("num_beams: a static compressed cache supports greedy and sampled decoding (num_beams=1)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.reorder_cache(None)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(None)
 
 
 class StaticWindowLayer(CacheLayerMixin):

@@ -12,22 +12,13 @@ import torch
 
 from kvcompress import CompressKVPress
 from kvcompress.cache import WeightedLayer
+from kvcompress.padding import pad_rows
 from kvcompress.window import WindowLayer
 from tests.test_padding import prefill, random_ids
 from tests.tiny_models import tiny_model
 
 LENGTHS = (150, 40, 90)  # 40 tokens: fewer than the default's 68 protected ones, so the batch has filler rows
 WINDOW = 24
-
-
-def padded_batch(side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(LENGTHS)
-    ids = torch.zeros(len(LENGTHS), longest, dtype=torch.long)
-    mask = torch.zeros(len(LENGTHS), longest, dtype=torch.long)
-    for row, length in enumerate(LENGTHS):
-        span = slice(longest - length, longest) if side == "left" else slice(0, length)
-        ids[row, span], mask[row, span] = random_ids(length, seed=row)[0], 1
-    return ids, mask
 
 
 @torch.no_grad()
@@ -55,7 +46,7 @@ def test_a_reshaped_batch_answers_as_the_rows_it_took(family, operation):
     more steps: every row's logits equal the untouched cache's row it was taken from (float64: to 1e-9)."""
     overrides = dict(sliding_window=WINDOW) if family == "gemma3" else {}
     model = tiny_model(family, dtype=torch.float64, **overrides)
-    ids, mask = padded_batch()
+    ids, mask = pad_rows([random_ids(length, seed=row) for row, length in enumerate(LENGTHS)], "left")
     cache = prefill(model, CompressKVPress(compression_ratio=0.75, seed=0), ids, mask)
     kinds = {type(layer) for layer in cache.layers}
     assert WeightedLayer in kinds and (WindowLayer in kinds) == (family == "gemma3")
@@ -105,10 +96,7 @@ def test_beam_search_over_a_padded_batch_gives_each_rows_own_beams():
     left-padded batch of two contexts returns the beams each context gets alone."""
     model = tiny_model("llama", dtype=torch.float64)
     contexts = [random_ids(150, seed=0), random_ids(90, seed=1)]
-    ids = torch.zeros(2, 150, dtype=torch.long)
-    mask = torch.zeros(2, 150, dtype=torch.long)
-    for row, context in enumerate(contexts):
-        ids[row, 150 - context.shape[1]:], mask[row, 150 - context.shape[1]:] = context[0], 1
+    ids, mask = pad_rows(contexts, "left")
     options = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
     with CompressKVPress(compression_ratio=0.75, seed=0)(model):
         batched = model.generate(ids, attention_mask=mask, **options)[:, 150:]

@@ -225,11 +225,14 @@ def slot_order(seed: int, kind: str, slots: int, count: int) -> list[int]:
     slice an earlier seed (``0 .. seed - 1``, same count) took is replaced by a free one, so that each seed's
     contexts are fresh text (independent draws shared one slice between seeds 0 and 1: two near-equal contexts).
     Seed 0's draw, and a later seed's slices no earlier seed took, are those of the plain draw."""
-    taken = {slot for earlier in range(seed) for slot in slot_order(earlier, kind, slots, count)}
-    order = random.Random(f"{seed}:{kind}").sample(range(slots), count)
-    free = [slot for slot in range(slots) if slot not in taken and slot not in order]
-    rng = random.Random(f"{seed}:{kind}:free")
-    return [free.pop(rng.randrange(len(free))) if slot in taken and free else slot for slot in order]
+    taken: set[int] = set()
+    for drawn in range(seed + 1):  # each seed's slices, the earlier seeds' first (one pass, not a recursion per seed)
+        order = random.Random(f"{drawn}:{kind}").sample(range(slots), count)
+        free = [slot for slot in range(slots) if slot not in taken and slot not in order]
+        rng = random.Random(f"{drawn}:{kind}:free")
+        order = [free.pop(rng.randrange(len(free))) if slot in taken and free else slot for slot in order]
+        taken.update(order)
+    return order
 
 
 def build_contexts(

@@ -187,12 +187,16 @@ def _fuzz_ratio(a: str, b: str) -> int:
     return int(round(100 * difflib.SequenceMatcher(None, a, b).ratio()))
 
 
+SKIPPED_LINE_MARKS = ("`", "#", "//")  # code_sim_score reads no prediction line holding one of these
+
+
 def code_sim_score(prediction: str, ground_truth: str) -> float:
     """lcc / repobench-p: fuzzy ratio / 100 between the ground truth and the prediction's first code line.
 
     That line is the first one (after leading newlines) without a backtick, "#" or "//"; "" if there is none.
     """
-    line = next((ln for ln in prediction.lstrip("\n").split("\n") if not ("`" in ln or "#" in ln or "//" in ln)), "")
+    lines = prediction.lstrip("\n").split("\n")
+    line = next((ln for ln in lines if not any(mark in ln for mark in SKIPPED_LINE_MARKS)), "")
     return _fuzz_ratio(line, ground_truth) / 100
 
 

@@ -42,6 +42,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcompress.longbench.metrics import SKIPPED_LINE_MARKS
+
 DEFAULT_DIR = Path(__file__).resolve().parent / "data" / "offline_suite"
 PROSE_TOKENS_PER_WORD = 1.5
 CODE_CHARS_PER_TOKEN = 3.8
@@ -240,7 +242,7 @@ def make_code(rng: random.Random, target_tokens: int) -> tuple[str, str, list[st
             break
     target = rng.choice(usable)  # 1-based line number
     for _ in range(1000):  # a line the metric skips ("#", "//", "`": a comment to code_sim_score) never scores: draw
-        if not any(mark in lines[target - 1] for mark in UNSCORABLE):  # again (the shipped examples drew none)
+        if not any(mark in lines[target - 1] for mark in SKIPPED_LINE_MARKS):  # again (the shipped examples drew none)
             break
         target = rng.choice(usable)
     end = offsets[target - 1]
@@ -248,8 +250,6 @@ def make_code(rng: random.Random, target_tokens: int) -> tuple[str, str, list[st
     context = "".join(lines[first : target - 1])
     return context, "", [lines[target - 1].strip()]
 
-
-UNSCORABLE = ("#", "//", "`")  # code_sim_score skips a prediction's lines with these
 
 BUILDERS = {"py_retrieval": make_retrieval, "py_count": make_count, "py_qa": make_qa, "py_code": make_code}
 

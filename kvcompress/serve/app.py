@@ -154,8 +154,6 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
             if open_jobs:  # the client went away, or a choice failed: stop every generation
                 for job in jobs:
                     job.cancelled.set()
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
         choices = []
         for job in jobs:
             content = "".join(text[job.index])
@@ -168,7 +166,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                                 "finish_reason": finish[job.index]})
         obj = "chat.completion" if kind == "chat" else "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": served_model, "choices": choices,
-                "usage": usage}
+                "usage": usage(prompt_tokens, completion_tokens)}
 
     async def stream_events(request: Request, jobs: list[Job], events: asyncio.Queue, rid: str, kind: str,
                             req) -> AsyncIterator[str]:
@@ -203,10 +201,8 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                     open_jobs -= 1
                     yield chunk(index, None, finish)
             if not open_jobs and req.stream_options is not None and req.stream_options.include_usage:
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}
                 body = {"id": rid, "object": obj, "created": now, "model": served_model, "choices": [],
-                        "usage": usage}
+                        "usage": usage(prompt_tokens, completion_tokens)}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -287,6 +283,11 @@ class CountRequests:
         finally:
             route = scope["path"] if scope["path"] in KNOWN_ROUTES else "other"
             self.metrics.requests.labels(route=route, status=str(status[0] if status else 500)).inc()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def openai_logprobs(logprobs: list[TokenLogprob], kind: str) -> dict:
