@@ -33,7 +33,38 @@ def temperature(
 
     tau = sqrt(R_K / R_Q * b0 / (2 W0(b0 / (2 rho0)))),  b0 = log(n) / (beta R_Q R_K) + 2.
     Requires beta, R_Q, R_K > 0 and n >= 1.
+    Raises ValueError naming the first argument out of range or non-finite, or shapes that do not broadcast.
     """
+    tensors = {}
+    for name, x, low in (("scaling", scaling, 0), ("query_radius", query_radius, 0), ("key_radius", key_radius, 0)):
+        tensors[name] = _finite_float64(name, x)
+        if bool((tensors[name] <= low).any()):
+            raise ValueError(f"{name}: must be > 0 everywhere")
+    tensors["n"] = _finite_float64("n", n)
+    if bool((tensors["n"] < 1).any()):
+        raise ValueError("n: must be >= 1 everywhere")
+    try:
+        torch.broadcast_shapes(*(t.shape for t in tensors.values()))
+    except RuntimeError as err:
+        shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in tensors.items())
+        raise ValueError(f"temperature: shapes do not broadcast ({shapes})") from err
+    return _temperature(*tensors.values())
+
+
+def _finite_float64(name: str, x: float | torch.Tensor) -> torch.Tensor:
+    if isinstance(x, bool) or not isinstance(x, (int, float, torch.Tensor)):
+        raise ValueError(f"{name}: must be a number or a real torch.Tensor, got {type(x).__name__}")
+    if isinstance(x, torch.Tensor) and (x.is_complex() or x.dtype == torch.bool):
+        raise ValueError(f"{name}: must be a real torch.Tensor, got {x.dtype}")
+    t = torch.as_tensor(x, dtype=torch.float64)
+    check_finite(name, t)
+    return t
+
+
+def _temperature(
+    scaling: torch.Tensor, query_radius: torch.Tensor, key_radius: torch.Tensor, n: torch.Tensor
+) -> torch.Tensor:
+    """:func:`temperature` on values the caller guarantees (computed in float64; no host read here)."""
     beta, r_q, r_k, n_ = (torch.as_tensor(x, dtype=torch.float64) for x in (scaling, query_radius, key_radius, n))
     b0 = torch.log(n_) / (beta * r_q * r_k) + 2
     return torch.sqrt(r_k / r_q * b0 / (2 * lambert_w0(b0 / (2 * RHO0))))
@@ -49,7 +80,7 @@ def kernel_coefficient(
     """
     flat = key_radius <= 0
     one = torch.ones_like(key_radius)
-    tau = temperature(scaling, torch.where(flat, one, query_radius), torch.where(flat, one, key_radius), n)
+    tau = _temperature(scaling, torch.where(flat, one, query_radius), torch.where(flat, one, key_radius), n)
     return torch.where(flat, torch.zeros_like(tau), scaling / tau**2)
 
 
@@ -88,7 +119,47 @@ def rpnys(
     early: its remaining rows are inert and the result is still an exact Nystrom approximation. In float32, a
     problem whose ``(max |y|^2 - min |y|^2) / 2`` exceeds ``FLOAT32_SPREAD`` gets NaN weights: recompute it in
     float64.
+
+    Raises ValueError naming the argument for a keys tensor that is not floating point or not finite, a ``rank``
+    outside ``[1, L]``, a ``coefficient`` that is not finite and >= 0 or does not broadcast to ``[...]``,
+    ``step_keys`` that are not int64 of shape ``[..., rank]``, or a ``valid`` that is not bool of shape
+    ``[..., L]``.
     """
+    check_float_tensor("keys", keys, min_dim=2)
+    check_finite("keys", keys)
+    *lead, length, _ = keys.shape
+    check_int_range("rank", rank, 1, length)
+    coefficient = _finite_float64("coefficient", coefficient)
+    if bool((coefficient < 0).any()):
+        raise ValueError("coefficient: must be >= 0 everywhere (the kernel exp(a <x, y>) needs a >= 0)")
+    try:
+        coefficient = torch.broadcast_to(coefficient.to(keys.device), tuple(lead))
+    except RuntimeError as err:
+        raise ValueError(
+            f"coefficient: shape {tuple(coefficient.shape)} does not broadcast to the leading dims {tuple(lead)}"
+        ) from err
+    if not isinstance(step_keys, torch.Tensor) or step_keys.dtype != torch.int64:
+        kind = step_keys.dtype if isinstance(step_keys, torch.Tensor) else type(step_keys).__name__
+        raise ValueError(f"step_keys: must be an int64 torch.Tensor (see kvcompress.rng), got {kind}")
+    if tuple(step_keys.shape) != (*lead, rank):
+        raise ValueError(f"step_keys: must have shape {(*lead, rank)} ([..., rank]), got {tuple(step_keys.shape)}")
+    if valid is not None and (
+        not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(valid.shape) != (*lead, length)
+    ):
+        got = f"{valid.dtype} {tuple(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
+        raise ValueError(f"valid: must be a bool torch.Tensor of shape {(*lead, length)} ([..., L]), got {got}")
+    return _rpnys(keys, rank, coefficient, step_keys.to(keys.device), valid)
+
+
+def _rpnys(
+    keys: torch.Tensor,
+    rank: int,
+    coefficient: torch.Tensor,
+    step_keys: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> RPNysResult:
+    """:func:`rpnys` on inputs the caller guarantees (no checks, no host reads before the pivot loop)."""
+
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     *lead, length, _ = keys.shape
     y = keys.to(compute) * coefficient.to(compute).clamp_min(0).sqrt().unsqueeze(-1).unsqueeze(-1)
@@ -263,10 +334,10 @@ def compress_kv(
     key = rng.seed_key(seed)
     streams = torch.arange(problems * bins, device=keys.device, dtype=torch.int64).reshape(problems, bins)
     step_keys = torch.stack([rng.stream_step_key(key, streams, i) for i in range(per_bin)], -1)
-    result = rpnys(binned, per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
+    result = _rpnys(binned, per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
     if not bool(torch.isfinite(result.weights).all()):
         # exp(|y|^2 / 2) left the float32 range (huge beta R_Q R_K): redo the selection in float64.
-        result = rpnys(binned.double(), per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
+        result = _rpnys(binned.double(), per_bin, coefficient, step_keys, valid.expand(problems, bins, length))
 
     weights = result.weights  # [P, B, k, L]; float64 after the fallback above
     values_binned = flat_values.to(weights.dtype)[:, index] * valid[None, :, :, None]

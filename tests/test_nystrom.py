@@ -55,6 +55,67 @@ def test_temperature_matches_direct_eq12():
     np.testing.assert_allclose(ours.numpy(), direct, rtol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        ((-0.1, 1.0, 1.0, 10), "scaling"),
+        ((0.1, 0.0, 1.0, 10), "query_radius"),
+        ((0.1, 1.0, torch.tensor([1.0, -2.0]), 10), "key_radius"),
+        ((0.1, 1.0, 1.0, 0.5), "n"),
+        ((0.1, math.nan, 1.0, 10), "query_radius"),
+        ((0.1, 1.0, math.inf, 10), "key_radius"),
+        ((True, 1.0, 1.0, 10), "scaling"),
+        ((0.1, "1", 1.0, 10), "query_radius"),
+        ((0.1, torch.ones(3), torch.ones(2), 10), "temperature: shapes"),
+    ],
+)
+def test_temperature_rejects_values_outside_eq12s_domain(args, name):
+    """Out of its domain eq. (12) gives NaN (or a complex root): the public function names the argument instead."""
+    with pytest.raises(ValueError, match=f"^{name}"):
+        temperature(*args)
+
+
+def _rpnys_inputs(lead=(2, 3), length=20, rank=5, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(*lead, length, 8, generator=gen)
+    coefficient = torch.rand(*lead, generator=gen, dtype=torch.float64) * 0.1 + 0.01
+    step_keys = torch.randint(0, 2**62, (*lead, rank), generator=gen)
+    return keys, rank, coefficient, step_keys
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (lambda a: {**a, "keys": a["keys"].long()}, "keys"),
+        (lambda a: {**a, "keys": a["keys"][0, 0, 0]}, "keys"),
+        (lambda a: {**a, "keys": a["keys"].index_fill(-1, torch.tensor([2]), math.nan)}, "keys"),
+        (lambda a: {**a, "rank": 0}, "rank"),
+        (lambda a: {**a, "rank": 21}, "rank"),
+        (lambda a: {**a, "coefficient": -a["coefficient"]}, "coefficient"),
+        (lambda a: {**a, "coefficient": a["coefficient"].fill_(math.inf)}, "coefficient"),
+        (lambda a: {**a, "coefficient": torch.ones(4)}, "coefficient"),
+        (lambda a: {**a, "step_keys": a["step_keys"].float()}, "step_keys"),
+        (lambda a: {**a, "step_keys": a["step_keys"][..., :3]}, "step_keys"),
+        (lambda a: {**a, "valid": torch.ones(2, 3, 20)}, "valid"),
+        (lambda a: {**a, "valid": torch.ones(2, 3, 19, dtype=torch.bool)}, "valid"),
+    ],
+)
+def test_rpnys_rejects_bad_arguments(change, name):
+    """Each bad argument is named: before, a negative coefficient was clamped to 0 (a constant kernel, silently) and
+    wrong shapes failed inside a reshape or an einsum."""
+    keys, rank, coefficient, step_keys = _rpnys_inputs()
+    args = change({"keys": keys, "rank": rank, "coefficient": coefficient, "step_keys": step_keys})
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        rpnys(**args)
+
+
+def test_rpnys_broadcasts_a_scalar_coefficient():
+    keys, rank, coefficient, step_keys = _rpnys_inputs()
+    full = rpnys(keys, rank, torch.full((2, 3), 0.05, dtype=torch.float64), step_keys)
+    scalar = rpnys(keys, rank, 0.05, step_keys)
+    assert torch.equal(full.pivots, scalar.pivots) and torch.equal(full.weights, scalar.weights)
+
+
 # ---------------------------------------------------------------- exactness at full rank
 
 
@@ -446,14 +507,14 @@ def test_bins_past_float32s_range_run_in_float64(monkeypatch):
     import kvcompress.nystrom as nystrom
 
     seen = []
-    original = nystrom.rpnys
+    original = nystrom._rpnys
 
     def recording(keys, *args, **kwargs):
         result = original(keys, *args, **kwargs)
         seen.append((keys.dtype, bool(torch.isfinite(result.weights).all())))
         return result
 
-    monkeypatch.setattr(nystrom, "rpnys", recording)
+    monkeypatch.setattr(nystrom, "_rpnys", recording)
     gen = torch.Generator().manual_seed(39)
     keys = torch.exp(1.5 * torch.randn(128, 1, generator=gen)) * torch.randn(128, 16, generator=gen)
     values = torch.randn(128, 16, generator=gen)
