@@ -26,6 +26,7 @@ def weighted_attention(
     key_mask: torch.Tensor | None = None,
     backend: str = "auto",
     check_finite: bool = True,
+    fold_from: int | None = None,
 ) -> torch.Tensor:
     """WtdAttn (Alg. 3): ``clip(sum_l e^{s_l} v_l / sum_l e^{s_l} w_l, v_min, v_max)``, ``s_l = beta <q, k_l>``.
 
@@ -47,7 +48,10 @@ def weighted_attention(
     they support when triton imports, else the reference; FlexAttention is not chosen automatically until
     GPU timings show where it is faster). ``check_finite``: reject NaN/Inf in queries, keys, values, weights
     and the clip range, and a clip range with ``v_min > v_max``, with a ``ValueError`` (one device sync; pass
-    False where speed matters and the inputs are known to be valid).
+    False where speed matters and the inputs are known to be valid). ``fold_from``: rows ``[fold_from, n)`` of
+    ``values`` (those ``key_mask`` shows) are first folded into ``v_min`` / ``v_max`` in place (a caller's running
+    clip range over the rows appended since its last call; needs both bounds): by the Triton kernel itself, with no
+    launch of its own, or by :func:`fold_value_range_` on the other backends.
     """
     check_backend(backend, BACKENDS)
     check_float_tensor("queries", queries, ndim=4)
@@ -83,6 +87,10 @@ def weighted_attention(
     scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
     if causal_offset is not None:
         check_int_range("causal_offset", causal_offset, 0)
+    if fold_from is not None:
+        check_int_range("fold_from", fold_from, 0, n)
+        if v_min is None or v_max is None:
+            raise ValueError("fold_from: needs both v_min and v_max (the running range it folds rows into)")
     if key_mask is not None:
         if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool:
             kind = key_mask.dtype if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
@@ -100,9 +108,11 @@ def weighted_attention(
             raise ValueError("v_min: must be <= v_max in every entry (the clip range [v_min, v_max])")
 
     if batch * heads_q * m == 0:  # no query: nothing to attend (the fused backends do not take empty launches)
+        fold_value_range_(v_min, v_max, values, fold_from, key_mask)
         return values.new_zeros(batch, heads_q, m, d_v)
     kwargs = dict(scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=causal_offset, key_mask=key_mask)
     if backend == "flex":
+        fold_value_range_(v_min, v_max, values, fold_from, key_mask)
         try:
             from kvcompress import weighted_flex
         except ImportError as exc:
@@ -115,7 +125,8 @@ def weighted_attention(
     if backend == "triton" or (backend == "auto" and queries.device.type == "cuda"):
         kernel = _triton_kernel(queries, keys, values, weights, v_min, v_max, required=backend == "triton")
         if kernel is not None:
-            return kernel(queries, keys, values, weights, **kwargs)
+            return kernel(queries, keys, values, weights, **kwargs, fold_from=fold_from)
+    fold_value_range_(v_min, v_max, values, fold_from, key_mask)
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
 
 
@@ -130,26 +141,62 @@ def weighted_attention_unchecked(
     v_max: torch.Tensor | None = None,
     causal_offset: int | None = None,
     key_mask: torch.Tensor | None = None,
+    fold_from: int | None = None,
 ) -> torch.Tensor:
     """``weighted_attention(..., backend="auto", check_finite=False)`` without its argument checks: for callers
     whose inputs are model activations of known shapes (the attention function runs this every layer and step)."""
-    if queries.device.type == "cuda":
+    if queries.is_cuda:
         kernel = _triton_kernel(queries, keys, values, weights, v_min, v_max, required=False)
         if kernel is not None:
             return kernel(queries, keys, values, weights, scaling=scaling, v_min=v_min, v_max=v_max,
-                          causal_offset=causal_offset, key_mask=key_mask, check=False)  # fmt: skip
+                          causal_offset=causal_offset, key_mask=key_mask, check=False, fold_from=fold_from)  # fmt: skip
+    fold_value_range_(v_min, v_max, values, fold_from, key_mask)
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
+
+
+def fold_value_range_(
+    v_min: torch.Tensor | None,
+    v_max: torch.Tensor | None,
+    values: torch.Tensor,
+    fold_from: int | None,
+    key_mask: torch.Tensor | None = None,
+) -> None:
+    """Fold rows ``[fold_from, n)`` of ``values [b, h_kv, n, d_v]`` (those ``key_mask [b, n]`` shows) into the
+    clip range ``v_min`` / ``v_max [b, h_kv, d_v]`` in place, rounded to their dtype; nothing when ``fold_from`` is
+    None or n. The PyTorch form of the Triton kernel's fold (three launches on a GPU, none there)."""
+    n = values.shape[-2]
+    if fold_from is None or fold_from >= n:
+        return
+    new = values[:, :, fold_from:]
+    if key_mask is None:
+        new_low, new_high = torch.aminmax(new, dim=-2)
+    else:  # padded later rows do not widen the range
+        hidden = ~key_mask[:, None, fold_from:, None]
+        new_low = new.masked_fill(hidden, float("inf")).amin(-2)
+        new_high = new.masked_fill(hidden, float("-inf")).amax(-2)
+    v_min.copy_(torch.minimum(v_min, new_low))
+    v_max.copy_(torch.maximum(v_max, new_high))
+
+
+_KERNEL_MODULES: tuple | ImportError | None = None  # (weighted_decode, weighted_prefill) once imported
 
 
 def _triton_kernel(queries, keys, values, weights, v_min, v_max, required: bool):
     """The Triton launcher for these validated inputs (decode kernel up to ``MAX_NEW_TOKENS`` new tokens, the
     multi-token kernel above), or None where it cannot run them; ``required``: raise instead of None."""
-    try:
-        from kvcompress.kernels import weighted_decode, weighted_prefill
-    except ImportError as exc:
+    global _KERNEL_MODULES
+    if _KERNEL_MODULES is None:  # imported once: an import statement per call costs a decode step's host time
+        try:
+            from kvcompress.kernels import weighted_decode, weighted_prefill
+
+            _KERNEL_MODULES = (weighted_decode, weighted_prefill)
+        except ImportError as exc:
+            _KERNEL_MODULES = exc
+    if isinstance(_KERNEL_MODULES, ImportError):
         if required:
-            raise ImportError("backend='triton' needs the triton package (pip install triton)") from exc
+            raise ImportError("backend='triton' needs the triton package (pip install triton)") from _KERNEL_MODULES
         return None
+    weighted_decode, weighted_prefill = _KERNEL_MODULES
     module = weighted_decode if queries.shape[2] <= weighted_decode.MAX_NEW_TOKENS else weighted_prefill
     reason = module.unsupported_reason(queries, keys, values, weights, v_min, v_max)
     if reason is None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from kvcompress.attention import fold_value_range_
+
 _TAG = "_kvcompress_layer"
 
 
@@ -79,7 +81,8 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
         # key mask of every row in buffers that grow by doubling, and the clip range over the rows seen so far.
         self._weights_buf = self.row_weights
         self._mask_buf: torch.Tensor | None = None
-        self._range = (value_min, value_max, self.context_rows)  # (v_min, v_max, rows covered)
+        # (v_min, v_max, rows covered): the running range, updated in place by each call's fold (its own tensors)
+        self._range = (value_min.clone(), value_max.clone(), self.context_rows)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -98,7 +101,7 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
                     "crop it only back to the end of its context (cache.crop) or use the press on its own"
                 )
         if old is not None and new is not None and (new.shape[-2] < old.shape[-2] or new.shape[0] != old.shape[0]):
-            self._range = (self.value_min, self.value_max, self.context_rows)  # rows were cut back: start again
+            self._range = (self.value_min.clone(), self.value_max.clone(), self.context_rows)  # cut back: start again
         self._keys = new
 
     @property
@@ -143,7 +146,7 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
             grown = self.row_weights.new_ones(*self.row_weights.shape[:2], capacity)
             grown[..., : self.context_rows] = self.row_weights
             self._weights_buf = grown
-        return self._weights_buf[..., :rows]
+        return self._weights_buf.narrow(2, 0, rows)
 
     def key_mask(self, rows: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """``[b, rows]`` bool, False on filler rows and on padded later tokens; None when every row is real.
@@ -171,35 +174,38 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
             buf[:, self.context_rows : rows] = tail.to(buf.device)
         return buf[:, :rows]
 
+    def clip_range(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The running clip range for an attention call over the first ``rows`` rows: ``(v_min, v_max, fold_from)``,
+        where the call folds rows ``[fold_from, rows)`` into ``v_min`` / ``v_max`` in place (weighted attention's
+        ``fold_from``: on the GPU inside the kernel, no launch of its own) and then reports :meth:`folded`. Rows are
+        only appended, or cut back, which the ``keys`` setter notices and which restarts from the context's range."""
+        low, high, covered = self._range
+        if rows < covered:
+            low, high, covered = self.value_min.clone(), self.value_max.clone(), self.context_rows
+            self._range = (low, high, covered)
+        return low, high, covered
+
+    def folded(self, rows: int) -> None:
+        """The call after :meth:`clip_range` folded every row up to ``rows`` in (reported after it ran: a call that
+        failed leaves them to the next one)."""
+        low, high, covered = self._range
+        self._range = (low, high, max(covered, rows))
+
     def value_range(
         self, values: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[v_min, v_max]`` over the compressed context and every real row after it in ``values``.
-
-        Kept up to date incrementally: each call folds in only the rows appended since the last one (rows are
-        only appended, or cut back, which the ``keys`` setter notices and which restarts from the context's range).
-        """
+        """``[v_min, v_max]`` over the compressed context and every real row after it in ``values`` (copies: the
+        running range goes on changing in place)."""
         rows = values.shape[-2]
-        low, high, covered = self._range
-        if rows < covered:
-            low, high, covered = self.value_min, self.value_max, self.context_rows
-        if rows > covered:  # three launches a decode step (aminmax in the values' dtype; min / max promote)
-            new = values[:, :, covered:rows]
-            if key_mask is None:
-                new_low, new_high = torch.aminmax(new, dim=-2)
-            else:  # padded later rows do not widen the range
-                hidden = ~key_mask[:, None, covered:rows, None]
-                new_low = new.masked_fill(hidden, float("inf")).amin(-2)
-                new_high = new.masked_fill(hidden, float("-inf")).amax(-2)
-            low, high = torch.minimum(low, new_low).to(low.dtype), torch.maximum(high, new_high).to(high.dtype)
-            covered = rows
-        self._range = (low, high, covered)
-        return low, high
+        low, high, fold_from = self.clip_range(rows)
+        fold_value_range_(low, high, values, fold_from, key_mask)
+        self.folded(rows)
+        return low.clone(), high.clone()
 
 
 def tag_layer(keys: torch.Tensor, layer: object) -> None:
     """Mark ``keys`` (what a cache layer's ``update`` returns) as belonging to ``layer``, so the kvcompress attention
-    runs weighted attention over it with the layer's ``key_mask``, ``weights_for`` and ``value_range``."""
+    runs weighted attention over it with the layer's ``key_mask``, ``weights_for`` and ``clip_range``."""
     setattr(keys, _TAG, layer)
 
 

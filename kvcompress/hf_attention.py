@@ -277,7 +277,7 @@ def kvcompress_attention(
         return out.transpose(1, 2).contiguous(), None
     rows, q_len = key.shape[-2], query.shape[-2]
     key_mask = layer.key_mask(rows, attention_mask)
-    v_min, v_max = layer.value_range(value, key_mask)
+    v_min, v_max, fold_from = layer.clip_range(rows)
     out = weighted_attention_unchecked(
         query,
         key,
@@ -288,7 +288,9 @@ def kvcompress_attention(
         v_max=v_max,
         causal_offset=rows - q_len,
         key_mask=key_mask,
+        fold_from=fold_from,
     )
+    layer.folded(rows)
     return out.transpose(1, 2).contiguous(), None
 
 

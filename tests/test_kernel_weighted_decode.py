@@ -15,6 +15,7 @@ from triton_mode import DEVICE, INTERPRET
 pytest.importorskip("triton", reason="triton is not installed (the kernel tests need it, CPU interpreter mode)")
 
 from kvcompress import weighted_attention  # noqa: E402
+from kvcompress.attention import fold_value_range_  # noqa: E402
 from kvcompress.kernels import weighted_decode  # noqa: E402
 
 if weighted_decode.INTERPRET != INTERPRET:
@@ -166,6 +167,31 @@ def test_fused_merge_under_concurrency_on_a_gpu(monkeypatch, cached):
         torch.testing.assert_close(one.float(), expected.float(), rtol=1e-5, atol=TOL[torch.bfloat16] / 8)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="programs run concurrently only on a GPU")
+@pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "fused_merge"])
+def test_fold_under_concurrency_on_a_gpu(fused):
+    """Qwen2.5-7B's decode shape (4 KV heads, 7 query heads each) over 8k context rows: 30 decode steps, each
+    appending a row outside the range so far and folding it in inside the kernel (``fold_from``), where every
+    program finishing rows of a KV head stores the same folded range at once. After each step the range equals the
+    PyTorch fold bit for bit and the output the reference's over it."""
+    n, steps = 8192, 30
+    q, k, v, w, _ = make_inputs(1, 28, 4, 1, n + steps, 128, torch.bfloat16, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    v[:, :, n:] = (torch.randn(1, 4, steps, 128, generator=gen) * 4).to(DEVICE, torch.bfloat16)  # new rows: wide
+    v_min, v_max = v[:, :, :n].amin(2).float(), v[:, :, :n].amax(2).float()
+    want_min, want_max = v_min.clone(), v_max.clone()
+    for step in range(1, steps + 1):
+        rows = n + step
+        args = (q, k[:, :, :rows], v[:, :, :rows], w[:, :, :rows])
+        fold_value_range_(want_min, want_max, args[2], rows - 1)
+        out = weighted_decode.weighted_decode_attention(*args, scaling=128**-0.5, causal_offset=rows - 1,
+                                                        v_min=v_min, v_max=v_max, fold_from=rows - 1,
+                                                        fused_merge=fused)  # fmt: skip
+        assert torch.equal(v_min, want_min) and torch.equal(v_max, want_max), step
+        ref = weighted_attention(*args, causal_offset=rows - 1, v_min=want_min, v_max=want_max, backend="torch")
+        check_close(out, ref, torch.bfloat16)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter launches through Triton either way")
 @pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "fused_merge"])
 def test_cached_launch_equals_tritons_launch(monkeypatch, fused):
@@ -184,6 +210,64 @@ launch through Triton (tests/test_cached_launch.py checks the cached path's book
             expected = weighted_decode.weighted_decode_attention(q, k, v, w, **kwargs)
             monkeypatch.setattr(weighted_decode, "CACHED_LAUNCH", True)
             assert torch.equal(weighted_decode.weighted_decode_attention(q, k, v, w, **kwargs), expected)
+
+
+@pytest.mark.parametrize(
+    "dtype, range_dtype, m, splits, fused, masked, fold_back",
+    [
+        (torch.float32, torch.float32, 1, 1, False, False, 1),  # one split: stage 1 finishes and folds
+        (torch.bfloat16, torch.bfloat16, 1, 4, False, False, 1),  # the merge kernel folds
+        (torch.float16, torch.float32, 1, 4, True, False, 3),  # the fused merge's last split folds; fp32 range
+        (torch.bfloat16, torch.float32, 5, 3, False, True, 37),  # padded rows; more rows than one fold step
+        (torch.float32, torch.float32, 3, 1, False, True, 0),  # nothing to fold (fold_from = n)
+    ],
+)
+def test_fold_from_folds_the_new_rows_into_the_range_in_place(dtype, range_dtype, m, splits, fused, masked, fold_back):
+    """``fold_from``: the finishing programs fold values [fold_from, n) into [v_min, v_max] in place and clip with the
+    folded range. The stored range equals the PyTorch fold exactly (a min or max of the inputs, rounded once to the
+    range's dtype), and the output the reference's over the folded range; a second call changes nothing. The
+    context's range is narrow and the new rows wide, so a fold that missed a row would clip its answer."""
+    n, batch, heads_kv = 300, 2, 2
+    q, k, v, w, _ = make_inputs(batch, 4 * heads_kv, heads_kv, m, n, 64, dtype, seed=7 + n + m)
+    gen = torch.Generator().manual_seed(11)
+    v_min = (-0.05 - 0.1 * torch.rand(batch, heads_kv, 64, generator=gen)).to(range_dtype).to(DEVICE)
+    v_max = (0.05 + 0.1 * torch.rand(batch, heads_kv, 64, generator=gen)).to(range_dtype).to(DEVICE)
+    fold_from = n - fold_back
+    key_mask = None
+    if masked:
+        key_mask = torch.ones(batch, n, dtype=torch.bool)
+        key_mask[1, fold_from + 1 :: 2] = False  # some new rows of batch row 1 are padding
+        key_mask = key_mask.to(DEVICE)
+    expected_min, expected_max = v_min.clone(), v_max.clone()
+    fold_value_range_(expected_min, expected_max, v, fold_from, key_mask)
+    if fold_back:
+        assert not torch.equal(expected_min, v_min)  # the new rows widen the range
+    kwargs = dict(scaling=0.125, causal_offset=n - m, key_mask=key_mask)
+    ref = weighted_attention(q, k, v, w, backend="torch", v_min=expected_min, v_max=expected_max, **kwargs)
+    for call in range(2):
+        out = weighted_decode.weighted_decode_attention(
+            q, k, v, w, v_min=v_min, v_max=v_max, fold_from=fold_from, num_splits=splits, fused_merge=fused, **kwargs
+        )
+        assert torch.equal(v_min, expected_min) and torch.equal(v_max, expected_max), call
+        check_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(fold_from=301), r"fold_from: must be an int in \[0, 300\]"),
+        (dict(fold_from=-1), r"fold_from: must be an int in \[0, 300\]"),
+        (dict(fold_from=True), r"fold_from: must be an int"),
+        (dict(fold_from=10, v_max=None), "fold_from: needs both v_min and v_max"),
+    ],
+)
+def test_fold_from_is_checked(change, match):
+    q, k, v, w, bounds = make_inputs(1, 2, 1, 1, 300, 16, torch.float32, clip=True)
+    kwargs = {**bounds, "causal_offset": 299, **change}
+    with pytest.raises(ValueError, match=match):
+        weighted_attention(q, k, v, w, backend="torch", **kwargs)
+    with pytest.raises(ValueError, match=match):
+        weighted_decode.weighted_decode_attention(q, k, v, w, scaling=0.25, **kwargs)
 
 
 def test_many_rows_strided_cache_and_odd_dims():
@@ -265,8 +349,10 @@ def test_triton_needs_cuda_outside_interpreter(monkeypatch):
 
 
 def test_triton_without_triton_raises_import_error(monkeypatch):
+    import kvcompress.attention
     import kvcompress.kernels
 
+    monkeypatch.setattr(kvcompress.attention, "_KERNEL_MODULES", None)  # the dispatch imports the kernels again
     monkeypatch.setitem(sys.modules, "triton", None)  # a fresh import of the kernel module now fails
     monkeypatch.delitem(sys.modules, "kvcompress.kernels.weighted_decode")
     monkeypatch.delattr(kvcompress.kernels, "weighted_decode")

@@ -292,3 +292,36 @@ def test_value_range_folds_in_real_appended_rows_only(dtype):
     assert_range(layer.value_range(grown[:, :, : context + 2], mask), [first])  # two rows, one of them padding
     assert_range(layer.value_range(grown, None), [first, widened(slice(context + 2, None))])  # two more, no mask
     assert_range(layer.value_range(grown[:, :, : context + 1], None), [widened(slice(context, context + 1))])  # cut
+
+
+def test_the_running_clip_range_survives_a_failed_call_and_never_touches_the_contexts(monkeypatch):
+    """The attention function folds a step's new rows into the layer's running range inside the attention call
+    (``fold_from``) and reports them folded only after it returns: a call that raised leaves them to the next one,
+    which then clips with every row. The fold is in place on the layer's own copies: the context's range, which a
+    cut restarts from, stays as compressed."""
+    from kvcompress import hf_attention
+
+    gen = torch.Generator().manual_seed(5)
+    context, d = 8, 16
+    values = torch.randn(1, 2, context, d, generator=gen)
+    low, high = values.amin(2), values.amax(2)
+    weights = torch.rand(1, 2, context, generator=gen)
+    layer = WeightedLayer(torch.randn(1, 2, context, d, generator=gen), values, weights, low.clone(), high.clone(),
+                          tokens=3 * context)  # fmt: skip
+    query = torch.randn(1, 4, 1, d, generator=gen)
+    keys, grown = layer.update(torch.randn(1, 2, 1, d, generator=gen), 5 + torch.rand(1, 2, 1, d, generator=gen))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hf_attention, "weighted_attention_unchecked", failing)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            hf_attention.kvcompress_attention(None, query, keys, grown, None, scaling=0.25)
+    assert layer.clip_range(context + 1)[2] == context  # the new row is still to fold
+    out, _ = hf_attention.kvcompress_attention(None, query, keys, grown, None, scaling=0.25)
+    v_min, v_max, fold_from = layer.clip_range(context + 1)
+    assert fold_from == context + 1
+    assert torch.equal(v_max, torch.maximum(high, grown[:, :, -1])) and torch.equal(v_min, low)
+    assert torch.equal(layer.value_min, low) and torch.equal(layer.value_max, high)
+    assert (out.amax() > high.amax()).item()  # the answer leans on the new row, past the context's range

@@ -93,7 +93,7 @@ def launch_plan(
     """The cached launch plan for these shapes (``causal_offset`` a tensor: read on device, all n rows planned;
     ``interpret``: the kernels run in Triton's CPU interpreter)."""
     on_device = isinstance(causal_offset, torch.Tensor)
-    key = (tuple(queries.shape), tuple(keys.shape), values.shape[3], queries.dtype, queries.device,
+    key = (queries.shape, keys.shape, values.shape[3], queries.dtype, queries.device,  # torch.Size hashes as a tuple
            "device" if on_device else causal_offset, num_splits, block_n, block_r, interpret)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is not None:
@@ -172,7 +172,7 @@ def dummies(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 @functools.lru_cache(maxsize=256)  # per plan and flags, as the plans are: a decode step builds no dicts
 def kernel_options(
     plan: LaunchPlan, dim: int, d_v: int, *, has_vmin: bool, has_vmax: bool, has_mask: bool,
-    offset_on_device: bool, num_stages: int, fused_merge: bool = False,
+    offset_on_device: bool, num_stages: int, fused_merge: bool = False, fold: bool = False,
 ) -> tuple[dict, dict]:  # fmt: skip
     """The constexprs and launch options of stage 1 and stage 2 (used when ``plan.num_splits > 1``) for a launch
     ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one. Cached:
@@ -181,7 +181,9 @@ def kernel_options(
     split = dict(
         D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_MASK=has_mask, FINAL=plan.num_splits == 1, DOT_FP32=plan.dot_fp32, OFFSET_PTR=offset_on_device,
-        FUSED_MERGE=fused_merge and plan.num_splits > 1, num_warps=plan.num_warps, num_stages=num_stages, **clips,
+        FUSED_MERGE=fused_merge and plan.num_splits > 1, num_warps=plan.num_warps, num_stages=num_stages, FOLD=fold,
+        **clips,
     )  # fmt: skip
-    reduce = dict(DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv, num_warps=plan.reduce_warps, **clips)
+    reduce = dict(DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv, num_warps=plan.reduce_warps,
+                  HAS_MASK=has_mask, FOLD=fold, **clips)  # fmt: skip
     return split, reduce

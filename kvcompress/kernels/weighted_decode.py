@@ -62,28 +62,64 @@ FUSED_MERGE = False
 # by Triton): off until a GPU measures its host saving and runs the kernel tests through it compiled.
 CACHED_LAUNCH = False
 MAX_HEAD_DIM = 256
+FOLD_ROWS = tl.constexpr(16)  # value rows per step when a finishing program folds appended rows into the clip range
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
 
 
 @triton.jit
-def _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr):
-    """Alg. 3's tail: ``acc / den`` where ``den > 0``, else 0, then clip. fp32 ``acc [.., DV]``, ``den`` broadcast."""
+def _clip_bounds(vmin_ptrs, vmax_ptrs, dv_mask, v_base, s_vn, s_vd, mask_base, s_mn, fold_lo, fold_hi, offs_dv,
+                 HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr,
+                 FOLD: tl.constexpr):  # fmt: skip
+    """The clip range ``(low, high)`` as fp32 ``[BLOCK_DV]``. ``FOLD`` (both bounds present): rows ``[fold_lo,
+    fold_hi)`` of this pair's values, those ``key_mask`` shows, are folded in and the range is stored back in place,
+    rounded to its dtype (a running range: the rows appended since the caller's last call). Every program that
+    finishes rows of the pair stores the same values, so their order does not matter."""
+    if HAS_VMIN:
+        low = tl.load(vmin_ptrs, mask=dv_mask, other=0.0).to(tl.float32)
+    else:  # no bound: the placeholder pointer is never read
+        low = tl.where(dv_mask, float("-inf"), float("-inf"))
+    if HAS_VMAX:
+        high = tl.load(vmax_ptrs, mask=dv_mask, other=0.0).to(tl.float32)
+    else:
+        high = tl.where(dv_mask, float("inf"), float("inf"))
+    if FOLD:
+        for start in range(fold_lo, fold_hi, FOLD_ROWS):
+            offs_n = start + tl.arange(0, FOLD_ROWS)
+            n_mask = offs_n < fold_hi
+            if HAS_MASK:  # padded later rows do not widen the range
+                n_mask = n_mask & (tl.load(mask_base + offs_n * s_mn, mask=n_mask, other=0) != 0)
+            v = tl.load(v_base + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd,
+                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            low = tl.minimum(low, tl.min(tl.where(n_mask[:, None], v, float("inf")), 0))
+            high = tl.maximum(high, tl.max(tl.where(n_mask[:, None], v, float("-inf")), 0))
+        low = low.to(vmin_ptrs.dtype.element_ty)
+        high = high.to(vmax_ptrs.dtype.element_ty)
+        tl.store(vmin_ptrs, low, mask=dv_mask)
+        tl.store(vmax_ptrs, high, mask=dv_mask)
+        low, high = low.to(tl.float32), high.to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _finish(acc, den, low, high, HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr):
+    """Alg. 3's tail: ``acc / den`` where ``den > 0``, else 0, then clip to ``[low, high]`` (fp32, from
+    :func:`_clip_bounds`). fp32 ``acc [.., DV]``, ``den`` broadcast."""
     positive = den > 0
     out = tl.where(positive, acc / tl.where(positive, den, 1.0), 0.0)
     if HAS_VMIN:
-        out = tl.maximum(out, tl.load(vmin_ptrs, mask=dv_mask, other=0.0).to(tl.float32))
+        out = tl.maximum(out, low)
     if HAS_VMAX:
-        out = tl.minimum(out, tl.load(vmax_ptrs, mask=dv_mask, other=0.0).to(tl.float32))
+        out = tl.minimum(out, high)
     return out
 
 
 @triton.jit
-def _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, vmin_ptrs, vmax_ptrs, DV: tl.constexpr,
+def _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, low, high, DV: tl.constexpr,
                     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr):  # fmt: skip
     """Rows ``row`` of the output ``[rows, DV]``: :func:`_finish` of fp32 ``acc [BLOCK_R, DV]`` / ``den [BLOCK_R]``,
     stored in the output's dtype."""
-    out = _finish(acc, den[:, None], vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
+    out = _finish(acc, den[:, None], low[None, :], high[None, :], HAS_VMIN, HAS_VMAX)
     o_ptrs = out_ptr + row[:, None] * DV + offs_dv[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
 
@@ -153,7 +189,7 @@ def _merge_splits(mpart_ptr, dpart_ptr, npart_ptr, bh, offs_r, r_mask, offs_dv, 
 def _weighted_split_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr, offset_ptr,
     lock_ptr,
-    H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale,
+    H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale, fold_lo, fold_hi,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -164,9 +200,11 @@ def _weighted_split_kernel(
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, OFFSET_PTR: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    DOT_FP32: tl.constexpr, OFFSET_PTR: tl.constexpr, FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``.
+    ``FOLD``: the program that finishes rows folds values ``[fold_lo, fold_hi)`` into the clip range in place
+    (:func:`_clip_bounds`).
     ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step).
     ``FUSED_MERGE`` (several splits): the last program of a (pair, row block) to store its partials, counted in
     ``lock_ptr`` (int32, zero before the launch and again after it), merges them and writes the output: stage 2
@@ -225,7 +263,9 @@ def _weighted_split_kernel(
     vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
     vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
     if FINAL:
-        _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, vmin_ptrs, vmax_ptrs, DV, HAS_VMIN, HAS_VMAX)
+        low, high = _clip_bounds(vmin_ptrs, vmax_ptrs, dv_mask, v_base, s_vn, s_vd, mask_base, s_mn, fold_lo, fold_hi,
+                                 offs_dv, HAS_VMIN, HAS_VMAX, HAS_MASK, FOLD)  # fmt: skip
+        _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, low, high, DV, HAS_VMIN, HAS_VMAX)
     else:  # partials in the decode kernel's layout, merged by its reduce kernel (or the last split: FUSED_MERGE)
         part = (bh.to(tl.int64) * tl.num_programs(1) + split) * ROWS + offs_r
         tl.store(mpart_ptr + part, m_i, mask=r_mask)
@@ -240,21 +280,25 @@ def _weighted_split_kernel(
             if stored == tl.num_programs(1) - 1:
                 acc, den = _merge_splits(mpart_ptr, dpart_ptr, npart_ptr, bh, offs_r, r_mask, offs_dv, dv_mask,
                                          ROWS, tl.num_programs(1), BLOCK_R, BLOCK_DV, DV)  # fmt: skip
-                _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, vmin_ptrs, vmax_ptrs, DV, HAS_VMIN,
-                                HAS_VMAX)  # fmt: skip
+                low, high = _clip_bounds(vmin_ptrs, vmax_ptrs, dv_mask, v_base, s_vn, s_vd, mask_base, s_mn, fold_lo,
+                                         fold_hi, offs_dv, HAS_VMIN, HAS_VMAX, HAS_MASK, FOLD)  # fmt: skip
+                _store_finished(out_ptr, row, r_mask, offs_dv, dv_mask, acc, den, low, high, DV, HAS_VMIN, HAS_VMAX)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
 def _weighted_decode_reduce_kernel(
-    mpart_ptr, dpart_ptr, npart_ptr, vmin_ptr, vmax_ptr, out_ptr,
-    H_KV, ROWS, SPLITS,
+    mpart_ptr, dpart_ptr, npart_ptr, vmin_ptr, vmax_ptr, out_ptr, v_ptr, mask_ptr,
+    H_KV, ROWS, SPLITS, fold_lo, fold_hi,
     s_lb, s_lh, s_ld,
     s_ub, s_uh, s_ud,
+    s_vb, s_vh, s_vn, s_vd,
+    s_mb, s_mn,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr,
+    HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
-    """Stage 2, one program per output row: merge the splits' (m, den, acc) with 2^(m_s - M), then finish."""
+    """Stage 2, one program per output row: merge the splits' (m, den, acc) with 2^(m_s - M), then finish
+    (``FOLD``: folding values ``[fold_lo, fold_hi)`` into the clip range first, as stage 1 does)."""
     row = tl.program_id(0).to(tl.int64)  # = bh * ROWS + r
     bh = row // ROWS
     r = row % ROWS
@@ -290,7 +334,10 @@ def _weighted_decode_reduce_kernel(
 
     vmin_ptrs = vmin_ptr + b * s_lb + h * s_lh + offs_dv * s_ld
     vmax_ptrs = vmax_ptr + b * s_ub + h * s_uh + offs_dv * s_ud
-    out = _finish(acc, den, vmin_ptrs, vmax_ptrs, dv_mask, HAS_VMIN, HAS_VMAX)
+    low, high = _clip_bounds(vmin_ptrs, vmax_ptrs, dv_mask, v_ptr + b * s_vb + h * s_vh, s_vn, s_vd,
+                             mask_ptr + b * s_mb, s_mn, fold_lo, fold_hi, offs_dv, HAS_VMIN, HAS_VMAX, HAS_MASK,
+                             FOLD)  # fmt: skip
+    out = _finish(acc, den, low, high, HAS_VMIN, HAS_VMAX)
     tl.store(out_ptr + row * DV + offs_dv, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
 
 
@@ -307,14 +354,20 @@ def unsupported_reason(
 
     ``max_new_tokens``: the most query rows ``m`` per call (None: any; the multi-token kernel
     ``kvcompress.kernels.weighted_prefill`` shares these checks)."""
+    # Every decode step's attention call runs these checks: attribute reads only, no loop, until one fails.
     device = queries.device
-    if device.type != "cuda" and not INTERPRET:
+    if not (queries.is_cuda or INTERPRET):
         return f"needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing triton kernels"
     if queries.dtype not in SUPPORTED_DTYPES:
         return f"queries/keys/values dtype must be float16, bfloat16 or float32, got {queries.dtype}"
-    for name, x in (("weights", weights), ("v_min", v_min), ("v_max", v_max)):
-        if x is not None and (x.dtype not in SUPPORTED_DTYPES or x.device != device):
-            return f"{name} must be float16/bfloat16/float32 on {device}, got {x.dtype} on {x.device}"
+    if (
+        weights.dtype not in SUPPORTED_DTYPES or weights.device != device
+        or (v_min is not None and (v_min.dtype not in SUPPORTED_DTYPES or v_min.device != device))
+        or (v_max is not None and (v_max.dtype not in SUPPORTED_DTYPES or v_max.device != device))
+    ):  # fmt: skip
+        for name, x in (("weights", weights), ("v_min", v_min), ("v_max", v_max)):
+            if x is not None and (x.dtype not in SUPPORTED_DTYPES or x.device != device):
+                return f"{name} must be float16/bfloat16/float32 on {device}, got {x.dtype} on {x.device}"
     batch, _, m, dim = queries.shape
     n, d_v = keys.shape[2], values.shape[3]
     if m < 1 or (max_new_tokens is not None and m > max_new_tokens):
@@ -346,6 +399,7 @@ def weighted_decode_attention(
     max_new_tokens: int | None = MAX_NEW_TOKENS,
     check: bool = True,
     fused_merge: bool | None = None,
+    fold_from: int | None = None,
 ) -> torch.Tensor:
     """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
     ``[b, h_kv, n, d_v]`` cache.
@@ -360,6 +414,9 @@ def weighted_decode_attention(
     Launch plans and the split partials are cached per shape. Accumulates in fp32; returns ``[b, h_q, m, d_v]``
     contiguous in ``values.dtype``. ``fused_merge``: with several splits, the last split of each row block merges
     them (one launch instead of two: the host's cost of a decode call is mostly launches); None: ``FUSED_MERGE``.
+    ``fold_from``: rows ``[fold_from, n)`` of ``values`` (those ``key_mask`` shows) are folded into ``v_min`` /
+    ``v_max`` in place, by the programs that finish rows, before they clip (a caller's running clip range: a decode
+    step's new row costs no launch of its own); needs both bounds.
     """
     if check:
         reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
@@ -371,8 +428,14 @@ def weighted_decode_attention(
         raise ValueError(f"fused_merge: must be True, False or None, got {fused_merge!r}")
     plan = launch_plan(queries, keys, values, causal_offset, num_splits, block_n, block_r, INTERPRET)
     batch, heads_q, m, dim = queries.shape
-    heads_kv, d_v = keys.shape[1], values.shape[3]
-    out = torch.empty(batch, heads_q, m, d_v, dtype=values.dtype, device=values.device)
+    heads_kv, n, d_v = keys.shape[1], keys.shape[2], values.shape[3]
+    if fold_from is not None:
+        if isinstance(fold_from, bool) or not isinstance(fold_from, int) or not 0 <= fold_from <= n:
+            raise ValueError(f"fold_from: must be an int in [0, {n}] (the cache's rows), got {fold_from!r}")
+        if v_min is None or v_max is None:
+            raise ValueError("fold_from: needs both v_min and v_max (the running range it folds rows into)")
+    fold = fold_from is not None and fold_from < n
+    out = values.new_empty(batch, heads_q, m, d_v)
     final = plan.num_splits == 1
     fused = not final and (FUSED_MERGE if fused_merge is None else fused_merge)
     if final:
@@ -388,22 +451,24 @@ def weighted_decode_attention(
 
     split_options, reduce_options = kernel_options(
         plan, dim, d_v, has_vmin=v_min is not None, has_vmax=v_max is not None, has_mask=key_mask is not None,
-        offset_on_device=on_device, num_stages=num_stages, fused_merge=fused,
+        offset_on_device=on_device, num_stages=num_stages, fused_merge=fused, fold=fold,
     )  # fmt: skip
+    fold_lo, fold_hi = (fold_from, n) if fold else (0, 0)
     if num_warps is not None:
         split_options = {**split_options, "num_warps": num_warps}
     split_args = (
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
         locks if fused else dummy_mask,
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
-        scaling * LOG2E,
+        scaling * LOG2E, fold_lo, fold_hi,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(),
     )  # fmt: skip
     launch(_weighted_split_kernel, plan.grid, split_args, split_options, cached=CACHED_LAUNCH)
     if not final and not fused:
-        reduce_args = (mpart, dpart, npart, lo_t, hi_t, out, heads_kv, plan.rows, plan.num_splits,
-                       *lo_t.stride(), *hi_t.stride())  # fmt: skip
+        reduce_args = (mpart, dpart, npart, lo_t, hi_t, out, values, mask_t, heads_kv, plan.rows, plan.num_splits,
+                       fold_lo, fold_hi, *lo_t.stride(), *hi_t.stride(), *values.stride(),
+                       *mask_t.stride())  # fmt: skip
         launch(_weighted_decode_reduce_kernel, (batch * heads_kv * plan.rows,), reduce_args, reduce_options,
                cached=CACHED_LAUNCH)  # fmt: skip
     return out

@@ -111,7 +111,7 @@ class RowCounts:
 
 class BatchLayer(DynamicLayer):
     """One layer of the decode batch (see the module docstring); tagged so the kvcompress attention runs weighted
-    attention over it with :meth:`key_mask`, :meth:`weights_for` and :meth:`value_range`."""
+    attention over it with :meth:`key_mask`, :meth:`weights_for` and :meth:`clip_range`."""
 
     is_sliding = False
 
@@ -157,8 +157,12 @@ class BatchLayer(DynamicLayer):
     def weights_for(self, rows: int) -> torch.Tensor:
         return self.weights[:, :, :rows]
 
-    def value_range(self, values, key_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.value_min, self.value_max
+    def clip_range(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """The clip range, already over every row (:meth:`update` folds each step's row in): nothing to fold."""
+        return self.value_min, self.value_max, None
+
+    def folded(self, rows: int) -> None:
+        pass
 
     def get_seq_length(self) -> int:
         return max(self.counts.host, default=0)

@@ -31,11 +31,11 @@ from tests.tiny_models import tiny_model  # noqa: E402
 
 
 def through_the_launcher(queries, keys, values, weights, *, scaling, v_min=None, v_max=None, causal_offset=None,
-                         key_mask=None):  # fmt: skip
+                         key_mask=None, fold_from=None):  # fmt: skip
     """``weighted_attention_unchecked``'s CUDA branch, taken on CPU."""
     kernel = attention_module._triton_kernel(queries, keys, values, weights, v_min, v_max, required=False)
     return kernel(queries, keys, values, weights, scaling=scaling, v_min=v_min, v_max=v_max,
-                  causal_offset=causal_offset, key_mask=key_mask, check=False)  # fmt: skip
+                  causal_offset=causal_offset, key_mask=key_mask, check=False, fold_from=fold_from)  # fmt: skip
 
 
 def main() -> None:
