@@ -174,8 +174,9 @@ def fold_value_range_(
         hidden = ~key_mask[:, None, fold_from:, None]
         new_low = new.masked_fill(hidden, float("inf")).amin(-2)
         new_high = new.masked_fill(hidden, float("-inf")).amax(-2)
-    v_min.copy_(torch.minimum(v_min, new_low))
-    v_max.copy_(torch.maximum(v_max, new_high))
+    # Rounding to the range's dtype first is exact: rounding is monotonic, so it commutes with min and max.
+    torch.minimum(v_min, new_low.to(v_min.dtype), out=v_min)
+    torch.maximum(v_max, new_high.to(v_max.dtype), out=v_max)
 
 
 _KERNEL_MODULES: tuple | ImportError | None = None  # (weighted_decode, weighted_prefill) once imported
