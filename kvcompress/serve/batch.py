@@ -2,12 +2,13 @@
 
 Layout, per model layer: buffers ``keys [B, h_kv, C, d]``, ``values [B, h_kv, C, d_v]``, ``weights [B, h_kv, C]``
 (float32) and the clip range ``v_min / v_max [B, h_kv, d_v]``. Batch row ``b`` holds session ``b``'s rows
-contiguously from row 0: its context (compressed rows with their Nystrom weights, or exact rows with weight 1),
-its question, then every generated token (weight 1); rows from ``lengths[b]`` on are unused, zero, and masked by
-``key_mask``. So sessions of different compressed lengths and different numbers of generated tokens share one
-rectangular batch, and a row sees exactly the rows it sees alone: weighted attention (Alg. 3 of WildCat) with a
-masked key is the same sum without that key. A sliding-window layer holds a session's last tokens in order, one row
-each, so its mask also hides the rows more than ``window - 1`` before the new one.
+contiguously from row 0: its context (compressed rows with their Nystrom weights, or exact rows with weight 1), its
+question, then every generated token (weight 1); rows from ``lengths[b]`` on are unused (zero keys and values,
+weight 1, so a step writes no weight) and masked by ``key_mask``. So sessions of different compressed lengths and
+different numbers of generated tokens share one rectangular batch, and a row sees exactly the rows it sees alone:
+weighted attention (Alg. 3 of WildCat) with a masked key is the same sum without that key. A sliding-window layer
+holds a session's last tokens in order, one row each, so its mask also hides the rows more than ``window - 1``
+before the new one.
 
 Positions are per row: a compressed context of ``n`` tokens holds ``r < n`` rows, so the token position that RoPE
 needs (``n + question + generated``) is not the row index; the step passes explicit ``position_ids [B, 1]`` and a
@@ -139,7 +140,6 @@ class BatchLayer(DynamicLayer):
         where = counts.tensor
         self.keys[counts.batch_index, :, where] = key_states[:, :, 0]
         self.values[counts.batch_index, :, where] = value_states[:, :, 0]
-        self.weights[counts.batch_index, :, where] = 1.0
         fresh = value_states[:, :, 0].to(self.value_min.dtype)
         self.value_min = torch.minimum(self.value_min, fresh)
         self.value_max = torch.maximum(self.value_max, fresh)
@@ -229,7 +229,8 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
         batch = len(keep) + len(sources)
         keys = ref_keys.new_zeros(batch, heads, capacity, d_k)
         values = ref_values.new_zeros(batch, heads, capacity, d_v)
-        weights = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=keys.device)
+        # Weight 1 past every session's rows: a step's new row needs no write (rows past a session's count are masked)
+        weights = torch.ones(batch, heads, capacity, dtype=torch.float32, device=keys.device)
         v_min = torch.empty(batch, heads, d_v, dtype=ref.v_min.dtype if old is None else old.value_min.dtype,
                             device=keys.device)
         v_max = torch.empty_like(v_min)
