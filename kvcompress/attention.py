@@ -26,7 +26,7 @@ def weighted_attention(
     key_mask: torch.Tensor | None = None,
     backend: str = "auto",
     check_finite: bool = True,
-    fold_from: int | None = None,
+    fold_from: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """WtdAttn (Alg. 3): ``clip(sum_l e^{s_l} v_l / sum_l e^{s_l} w_l, v_min, v_max)``, ``s_l = beta <q, k_l>``.
 
@@ -51,7 +51,8 @@ def weighted_attention(
     False where speed matters and the inputs are known to be valid). ``fold_from``: rows ``[fold_from, n)`` of
     ``values`` (those ``key_mask`` shows) are first folded into ``v_min`` / ``v_max`` in place (a caller's running
     clip range over the rows appended since its last call; needs both bounds): by the Triton kernel itself, with no
-    launch of its own, or by :func:`fold_value_range_` on the other backends.
+    launch of its own, or by :func:`fold_value_range_` on the other backends. A ``[b]`` int64 tensor instead: batch
+    row ``i`` folds its one row ``fold_from[i]`` (a decode batch whose rows end at different lengths).
     """
     check_backend(backend, BACKENDS)
     check_float_tensor("queries", queries, ndim=4)
@@ -87,8 +88,15 @@ def weighted_attention(
     scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
     if causal_offset is not None:
         check_int_range("causal_offset", causal_offset, 0)
-    if fold_from is not None:
+    if isinstance(fold_from, torch.Tensor):
+        if fold_from.dtype != torch.int64 or fold_from.shape != (batch,) or fold_from.device != queries.device:
+            raise ValueError(f"fold_from: a tensor must be int64 of shape ({batch},) on {queries.device}, got "
+                             f"{fold_from.dtype} {tuple(fold_from.shape)} on {fold_from.device}")  # fmt: skip
+        if bool(((fold_from < 0) | (fold_from >= n)).any()):  # one device sync: the kernel would read out of bounds
+            raise ValueError(f"fold_from: every index must be in [0, {n - 1}] (a row of the cache)")
+    elif fold_from is not None:
         check_int_range("fold_from", fold_from, 0, n)
+    if fold_from is not None:
         if v_min is None or v_max is None:
             raise ValueError("fold_from: needs both v_min and v_max (the running range it folds rows into)")
     if key_mask is not None:
@@ -141,7 +149,7 @@ def weighted_attention_unchecked(
     v_max: torch.Tensor | None = None,
     causal_offset: int | None = None,
     key_mask: torch.Tensor | None = None,
-    fold_from: int | None = None,
+    fold_from: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``weighted_attention(..., backend="auto", check_finite=False)`` without its argument checks: for callers
     whose inputs are model activations of known shapes (the attention function runs this every layer and step)."""
@@ -158,13 +166,20 @@ def fold_value_range_(
     v_min: torch.Tensor | None,
     v_max: torch.Tensor | None,
     values: torch.Tensor,
-    fold_from: int | None,
+    fold_from: int | torch.Tensor | None,
     key_mask: torch.Tensor | None = None,
 ) -> None:
     """Fold rows ``[fold_from, n)`` of ``values [b, h_kv, n, d_v]`` (those ``key_mask [b, n]`` shows) into the
     clip range ``v_min`` / ``v_max [b, h_kv, d_v]`` in place, rounded to their dtype; nothing when ``fold_from`` is
-    None or n. The PyTorch form of the Triton kernel's fold (three launches on a GPU, none there)."""
+    None or n. A ``[b]`` int64 tensor: batch row ``i`` folds its one row ``fold_from[i]``. The PyTorch form of the
+    Triton kernel's fold (three launches on a GPU, none there)."""
     n = values.shape[-2]
+    if isinstance(fold_from, torch.Tensor):
+        batch, heads, _, d_v = values.shape
+        new = values.gather(2, fold_from.view(batch, 1, 1, 1).expand(batch, heads, 1, d_v)).squeeze(2)
+        torch.minimum(v_min, new.to(v_min.dtype), out=v_min)
+        torch.maximum(v_max, new.to(v_max.dtype), out=v_max)
+        return
     if fold_from is None or fold_from >= n:
         return
     new = values[:, :, fold_from:]

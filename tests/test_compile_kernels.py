@@ -44,14 +44,14 @@ def test_weighted_attention_and_rpnys_kernels_compile_for_sm90_float32_attention
     done = _run("--kernels", "attention", "rpnys", "--dtypes", "bf16", "fp32", "--head-dims", "128")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    # Decode (plain, the merge fused into stage 1, each folding the step's row into the clip range, static) and a
-    # 512-token prefill chunk: stage 1, and the merge where the keys are split (bf16: all four unfused; float32: its
-    # 16-row tiles give the chunk enough programs unsplit). The fused merge and the fold keep stage 1's spills
-    # (bf16) or none (float32).
+    # Decode (plain, the merge fused into stage 1, each folding the step's row into the clip range, a decode batch
+    # folding each row's own row, static) and a 512-token prefill chunk: stage 1, and the merge where the keys are
+    # split (bf16: all five unfused; float32: its 16-row tiles give the chunk enough programs unsplit). The fused
+    # merge and the folds keep stage 1's spills (bf16) or none (float32).
     weighted = [line for line in lines if line.startswith("ok     weighted")]
     bf16, fp32 = ([line for line in weighted if f" {dtype} " in line] for dtype in ("bf16", "fp32"))
-    assert len(bf16) == 10 and sum(" merge:" in line for line in bf16) == 4, done.stdout
-    assert len(fp32) == 9 and all(line.endswith("stack + local 0 B") for line in fp32), done.stdout
+    assert len(bf16) == 12 and sum(" merge:" in line for line in bf16) == 5, done.stdout
+    assert len(fp32) == 11 and all(line.endswith("stack + local 0 B") for line in fp32), done.stdout
     stack = {
         line.split("weighted ")[1].split(" splits=")[0]: int(line.split("stack + local ")[1].split()[0])
         for line in bf16
@@ -59,6 +59,7 @@ def test_weighted_attention_and_rpnys_kernels_compile_for_sm90_float32_attention
     }
     assert stack["decode fused merge bf16 d=128"] <= stack["decode bf16 d=128"], done.stdout
     assert stack["decode folding bf16 d=128"] <= stack["decode bf16 d=128"], done.stdout
+    assert stack["decode batch folding bf16 d=128"] <= stack["decode static bf16 d=128"], done.stdout
     assert stack["decode fused merge folding bf16 d=128"] <= stack["decode fused merge bf16 d=128"], done.stdout
     # RPNys: 48-row bins with and without a query radius, 256-row bins; per dtype.
     assert len([line for line in lines if "rpnys" in line]) == 6, done.stdout

@@ -252,6 +252,39 @@ def test_fold_from_folds_the_new_rows_into_the_range_in_place(dtype, range_dtype
         check_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("splits, fused", [(1, False), (4, False), (4, True)])
+def test_fold_from_a_tensor_folds_each_batch_rows_own_row(splits, fused):
+    """A decode batch's new rows sit at each batch row's own length: ``fold_from`` as a ``[b]`` tensor folds row
+    ``fold_from[i]`` of batch row ``i`` only (read by the kernel), equal to the PyTorch fold bit for bit; rows past
+    it are masked, as in the server's batch, and must not widen the range."""
+    n, batch, heads_kv = 200, 3, 2
+    q, k, v, w, _ = make_inputs(batch, 2 * heads_kv, heads_kv, 1, n, 32, torch.bfloat16, seed=23)
+    where = torch.tensor([120, 199, 57], device=DEVICE)
+    key_mask = torch.arange(n, device=DEVICE)[None, :] <= where[:, None]
+    v = v.clone()
+    v[:, :, 150:] *= 50  # unused rows of the shorter batch rows: far outside any range
+    v[torch.arange(batch, device=DEVICE), :, where] = 3.0  # the new rows: outside the context's range
+    v_max = 0.1 * torch.ones(batch, heads_kv, 32, device=DEVICE)
+    v_min = -v_max
+    want_min, want_max = v_min.clone(), v_max.clone()
+    fold_value_range_(want_min, want_max, v, where)
+    assert torch.equal(want_max, torch.full_like(want_max, 3.0)) and torch.equal(want_min, v_min)
+    kwargs = dict(scaling=0.2, causal_offset=n - 1, key_mask=key_mask)
+    out = weighted_decode.weighted_decode_attention(q, k, v, w, v_min=v_min, v_max=v_max, fold_from=where,
+                                                    num_splits=splits, fused_merge=fused, **kwargs)  # fmt: skip
+    assert torch.equal(v_min, want_min) and torch.equal(v_max, want_max)
+    check_close(out, weighted_attention(q, k, v, w, v_min=want_min, v_max=want_max, backend="torch", **kwargs),
+                torch.bfloat16)  # fmt: skip
+
+
+def test_fold_from_tensor_is_checked():
+    q, k, v, w, bounds = make_inputs(2, 2, 1, 1, 300, 16, torch.float32, clip=True)
+    for bad, match in ((torch.tensor([3, 4], dtype=torch.int32), "int64 of shape"), (torch.tensor([3]), "shape"),
+                       (torch.tensor([3, 300]), r"every index must be in \[0, 299\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"fold_from: .*{match}"):
+            weighted_attention(q, k, v, w, causal_offset=299, fold_from=bad.to(q.device), **bounds)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

@@ -173,6 +173,7 @@ def dummies(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 def kernel_options(
     plan: LaunchPlan, dim: int, d_v: int, *, has_vmin: bool, has_vmax: bool, has_mask: bool,
     offset_on_device: bool, num_stages: int, fused_merge: bool = False, fold: bool = False,
+    fold_on_device: bool = False,
 ) -> tuple[dict, dict]:  # fmt: skip
     """The constexprs and launch options of stage 1 and stage 2 (used when ``plan.num_splits > 1``) for a launch
     ``plan``: what the launcher passes, and what ``eval.compile_kernels`` compiles for a GPU without one. Cached:
@@ -182,8 +183,8 @@ def kernel_options(
         D=dim, DV=d_v, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         HAS_MASK=has_mask, FINAL=plan.num_splits == 1, DOT_FP32=plan.dot_fp32, OFFSET_PTR=offset_on_device,
         FUSED_MERGE=fused_merge and plan.num_splits > 1, num_warps=plan.num_warps, num_stages=num_stages, FOLD=fold,
-        **clips,
+        FOLD_PTR=fold_on_device, **clips,
     )  # fmt: skip
     reduce = dict(DV=d_v, BLOCK_S=plan.reduce_block_s, BLOCK_DV=plan.block_dv, num_warps=plan.reduce_warps,
-                  HAS_MASK=has_mask, FOLD=fold, **clips)  # fmt: skip
+                  HAS_MASK=has_mask, FOLD=fold, FOLD_PTR=fold_on_device, **clips)  # fmt: skip
     return split, reduce

@@ -71,7 +71,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _weighted_split_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, vmin_ptr, vmax_ptr, mask_ptr, out_ptr, mpart_ptr, dpart_ptr, npart_ptr, offset_ptr,
-    lock_ptr,
+    lock_ptr, fold_ptr,
     H_KV, GROUP, N, ROWS, M, split_len, causal_offset, qk_scale, fold_lo, fold_hi,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
@@ -84,9 +84,11 @@ def _weighted_split_kernel(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
     DOT_FP32: tl.constexpr, OFFSET_PTR: tl.constexpr, FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr,
+    FOLD_PTR: tl.constexpr,
 ):  # fmt: skip
     """Stage 1, one program per (batch * KV head, key split, row block): keys ``[split * split_len, ...)``.
     ``FOLD``: the program that finishes rows folds values ``[fold_lo, fold_hi)`` into the clip range in place
+    (``FOLD_PTR``: the one row ``fold_ptr[b]`` of each batch row instead)
     (:func:`clip_bounds`).
     ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step).
     ``FUSED_MERGE`` (several splits): the last program of a (pair, row block) to store its partials, counted in
@@ -101,6 +103,9 @@ def _weighted_split_kernel(
     rblock = tl.program_id(2)
     b = (bh // H_KV).to(tl.int64)
     h = (bh % H_KV).to(tl.int64)
+    if FOLD_PTR:  # each batch row folds its own new row (a decode batch's rows sit at each row's own length)
+        fold_lo = tl.load(fold_ptr + b).to(tl.int32)
+        fold_hi = fold_lo + 1
 
     offs_r = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
@@ -171,7 +176,7 @@ def _weighted_split_kernel(
 
 @triton.jit
 def _weighted_decode_reduce_kernel(
-    mpart_ptr, dpart_ptr, npart_ptr, vmin_ptr, vmax_ptr, out_ptr, v_ptr, mask_ptr,
+    mpart_ptr, dpart_ptr, npart_ptr, vmin_ptr, vmax_ptr, out_ptr, v_ptr, mask_ptr, fold_ptr,
     H_KV, ROWS, SPLITS, fold_lo, fold_hi,
     s_lb, s_lh, s_ld,
     s_ub, s_uh, s_ud,
@@ -179,14 +184,19 @@ def _weighted_decode_reduce_kernel(
     s_mb, s_mn,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FOLD: tl.constexpr,
+    FOLD_PTR: tl.constexpr,
 ):  # fmt: skip
     """Stage 2, one program per output row: merge the splits' (m, den, acc) with 2^(m_s - M), then finish
-    (``FOLD``: folding values ``[fold_lo, fold_hi)`` into the clip range first, as stage 1 does)."""
+    (``FOLD``: folding values ``[fold_lo, fold_hi)``, or row ``fold_ptr[b]``, into the clip range first, as stage 1
+    does)."""
     row = tl.program_id(0).to(tl.int64)  # = bh * ROWS + r
     bh = row // ROWS
     r = row % ROWS
     b = bh // H_KV
     h = bh % H_KV
+    if FOLD_PTR:
+        fold_lo = tl.load(fold_ptr + b).to(tl.int32)
+        fold_hi = fold_lo + 1
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < DV
@@ -282,7 +292,7 @@ def weighted_decode_attention(
     max_new_tokens: int | None = MAX_NEW_TOKENS,
     check: bool = True,
     fused_merge: bool | None = None,
-    fold_from: int | None = None,
+    fold_from: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
     ``[b, h_kv, n, d_v]`` cache.
@@ -299,7 +309,9 @@ def weighted_decode_attention(
     them (one launch instead of two: the host's cost of a decode call is mostly launches); None: ``FUSED_MERGE``.
     ``fold_from``: rows ``[fold_from, n)`` of ``values`` (those ``key_mask`` shows) are folded into ``v_min`` /
     ``v_max`` in place, by the programs that finish rows, before they clip (a caller's running clip range: a decode
-    step's new row costs no launch of its own); needs both bounds.
+    step's new row costs no launch of its own); needs both bounds. A ``[b]`` int64 tensor on the inputs' device instead:
+    batch row ``i`` folds its one row ``fold_from[i]`` (a decode batch's new rows, each at its row's own length; the
+    kernel reads the indices, which the caller keeps in ``[0, n)``).
     """
     if check:
         reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
@@ -312,12 +324,17 @@ def weighted_decode_attention(
     plan = launch_plan(queries, keys, values, causal_offset, num_splits, block_n, block_r, INTERPRET)
     batch, heads_q, m, dim = queries.shape
     heads_kv, n, d_v = keys.shape[1], keys.shape[2], values.shape[3]
+    fold_rows = isinstance(fold_from, torch.Tensor)
     if fold_from is not None:
-        if isinstance(fold_from, bool) or not isinstance(fold_from, int) or not 0 <= fold_from <= n:
+        if fold_rows:
+            if fold_from.dtype != torch.int64 or fold_from.shape != (batch,) or fold_from.device != queries.device:
+                raise ValueError(f"fold_from: a tensor must be int64 of shape ({batch},) on {queries.device}, got "
+                                 f"{fold_from.dtype} {tuple(fold_from.shape)} on {fold_from.device}")  # fmt: skip
+        elif isinstance(fold_from, bool) or not isinstance(fold_from, int) or not 0 <= fold_from <= n:
             raise ValueError(f"fold_from: must be an int in [0, {n}] (the cache's rows), got {fold_from!r}")
         if v_min is None or v_max is None:
             raise ValueError("fold_from: needs both v_min and v_max (the running range it folds rows into)")
-    fold = fold_from is not None and fold_from < n
+    fold = fold_rows or (fold_from is not None and fold_from < n)
     out = values.new_empty(batch, heads_q, m, d_v)
     final = plan.num_splits == 1
     fused = not final and (FUSED_MERGE if fused_merge is None else fused_merge)
@@ -334,14 +351,15 @@ def weighted_decode_attention(
 
     split_options, reduce_options = kernel_options(
         plan, dim, d_v, has_vmin=v_min is not None, has_vmax=v_max is not None, has_mask=key_mask is not None,
-        offset_on_device=on_device, num_stages=num_stages, fused_merge=fused, fold=fold,
+        offset_on_device=on_device, num_stages=num_stages, fused_merge=fused, fold=fold, fold_on_device=fold_rows,
     )  # fmt: skip
-    fold_lo, fold_hi = (fold_from, n) if fold else (0, 0)
+    fold_lo, fold_hi = (fold_from, n) if fold and not fold_rows else (0, 0)
+    fold_t = fold_from if fold_rows else dummy_mask
     if num_warps is not None:
         split_options = {**split_options, "num_warps": num_warps}
     split_args = (
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
-        locks if fused else dummy_mask,
+        locks if fused else dummy_mask, fold_t,
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
         scaling * LOG2E, fold_lo, fold_hi,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
@@ -349,8 +367,8 @@ def weighted_decode_attention(
     )  # fmt: skip
     launch(_weighted_split_kernel, plan.grid, split_args, split_options, cached=CACHED_LAUNCH)
     if not final and not fused:
-        reduce_args = (mpart, dpart, npart, lo_t, hi_t, out, values, mask_t, heads_kv, plan.rows, plan.num_splits,
-                       fold_lo, fold_hi, *lo_t.stride(), *hi_t.stride(), *values.stride(),
+        reduce_args = (mpart, dpart, npart, lo_t, hi_t, out, values, mask_t, fold_t, heads_kv, plan.rows,
+                       plan.num_splits, fold_lo, fold_hi, *lo_t.stride(), *hi_t.stride(), *values.stride(),
                        *mask_t.stride())  # fmt: skip
         launch(_weighted_decode_reduce_kernel, (batch * heads_kv * plan.rows,), reduce_args, reduce_options,
                cached=CACHED_LAUNCH)  # fmt: skip

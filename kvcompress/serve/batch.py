@@ -139,10 +139,7 @@ class BatchLayer(DynamicLayer):
             raise RuntimeError("kvcompress: a decode batch advances one step at a time: run it through decode_step")
         where = counts.tensor
         self.keys[counts.batch_index, :, where] = key_states[:, :, 0]
-        self.values[counts.batch_index, :, where] = value_states[:, :, 0]
-        fresh = value_states[:, :, 0].to(self.value_min.dtype)
-        self.value_min = torch.minimum(self.value_min, fresh)
-        self.value_max = torch.maximum(self.value_max, fresh)
+        self.values[counts.batch_index, :, where] = value_states[:, :, 0]  # the clip range folds it in: clip_range
         keys, values = self.keys[:, :, : counts.width], self.values[:, :, : counts.width]
         tag_layer(keys, self)
         return keys, values
@@ -157,9 +154,11 @@ class BatchLayer(DynamicLayer):
     def weights_for(self, rows: int) -> torch.Tensor:
         return self.weights[:, :, :rows]
 
-    def clip_range(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """The clip range, already over every row (:meth:`update` folds each step's row in): nothing to fold."""
-        return self.value_min, self.value_max, None
+    def clip_range(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The clip range and the row each batch row appended this step (at its own length: ``fold_from`` as a
+        tensor), which the attention call folds in place (inside the Triton kernel on a GPU). Folding a row twice
+        changes nothing, so a step run again after a failure needs no bookkeeping."""
+        return self.value_min, self.value_max, self.counts.tensor
 
     def folded(self, rows: int) -> None:
         pass
