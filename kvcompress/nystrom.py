@@ -100,14 +100,15 @@ class RPNysResult:
 def rpnys(
     keys: torch.Tensor,
     rank: int,
-    coefficient: torch.Tensor,
+    coefficient: torch.Tensor | float,
     step_keys: torch.Tensor,
     valid: torch.Tensor | None = None,
 ) -> RPNysResult:
     """Randomly pivoted Nystrom (Alg. 1) for the kernel ``h(x, y) = exp(a <x, y>)``, batched.
 
     keys:        ``[..., L, d]`` (already recentred); computed in float32, or float64 for float64 input.
-    coefficient: ``[...]`` the kernel coefficient ``a`` (beta / tau^2) per problem.
+    coefficient: ``[...]`` the kernel coefficient ``a`` (beta / tau^2) per problem (a number or any shape that
+                 broadcasts to ``[...]``).
     step_keys:   ``[..., rank]`` int64 random keys, one per pivot step (see :mod:`kvcompress.rng`).
     valid:       optional ``[..., L]`` bool mask; masked rows are never selected and get weight 0.
 
