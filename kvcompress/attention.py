@@ -134,7 +134,7 @@ def weighted_attention(
         kernel = _triton_kernel(queries, keys, values, weights, v_min, v_max, required=backend == "triton")
         if kernel is not None:
             return kernel(queries, keys, values, weights, **kwargs, fold_from=fold_from)
-    fold_value_range_(v_min, v_max, values, fold_from, key_mask)
+    v_min, v_max = _folded_for_torch(v_min, v_max, values, fold_from, key_mask)
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
 
 
@@ -158,8 +158,17 @@ def weighted_attention_unchecked(
         if kernel is not None:
             return kernel(queries, keys, values, weights, scaling=scaling, v_min=v_min, v_max=v_max,
                           causal_offset=causal_offset, key_mask=key_mask, check=False, fold_from=fold_from)  # fmt: skip
-    fold_value_range_(v_min, v_max, values, fold_from, key_mask)
+    v_min, v_max = _folded_for_torch(v_min, v_max, values, fold_from, key_mask)
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
+
+
+def _folded_for_torch(v_min, v_max, values, fold_from, key_mask):
+    """:func:`fold_value_range_`, then the range the PyTorch path clips with: a copy where autograd may save it for
+    the backward pass (the next call's fold changes the running range in place)."""
+    fold_value_range_(v_min, v_max, values, fold_from, key_mask)
+    if fold_from is not None and torch.is_grad_enabled() and v_min is not None:
+        return v_min.clone(), v_max.clone()
+    return v_min, v_max
 
 
 def fold_value_range_(
@@ -172,7 +181,12 @@ def fold_value_range_(
     """Fold rows ``[fold_from, n)`` of ``values [b, h_kv, n, d_v]`` (those ``key_mask [b, n]`` shows) into the
     clip range ``v_min`` / ``v_max [b, h_kv, d_v]`` in place, rounded to their dtype; nothing when ``fold_from`` is
     None or n. A ``[b]`` int64 tensor: batch row ``i`` folds its one row ``fold_from[i]``. The PyTorch form of the
-    Triton kernel's fold (three launches on a GPU, none there)."""
+    Triton kernel's fold (three launches on a GPU, none there); outside autograd, as the kernel's is."""
+    with torch.no_grad():
+        _fold_value_range(v_min, v_max, values, fold_from, key_mask)
+
+
+def _fold_value_range(v_min, v_max, values, fold_from, key_mask) -> None:
     n = values.shape[-2]
     if isinstance(fold_from, torch.Tensor):
         batch, heads, _, d_v = values.shape

@@ -81,8 +81,7 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
         # key mask of every row in buffers that grow by doubling, and the clip range over the rows seen so far.
         self._weights_buf = self.row_weights
         self._mask_buf: torch.Tensor | None = None
-        # (v_min, v_max, rows covered): the running range, updated in place by each call's fold (its own tensors)
-        self._range = (value_min.clone(), value_max.clone(), self.context_rows)
+        self._range = self._context_range()  # (v_min, v_max, rows covered), folded in place by the attention calls
 
     @property
     def keys(self) -> torch.Tensor:
@@ -101,7 +100,7 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
                     "crop it only back to the end of its context (cache.crop) or use the press on its own"
                 )
         if old is not None and new is not None and (new.shape[-2] < old.shape[-2] or new.shape[0] != old.shape[0]):
-            self._range = (self.value_min.clone(), self.value_max.clone(), self.context_rows)  # cut back: start again
+            self._range = self._context_range()  # rows were cut back: start again
         self._keys = new
 
     @property
@@ -179,11 +178,14 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
         where the call folds rows ``[fold_from, rows)`` into ``v_min`` / ``v_max`` in place (weighted attention's
         ``fold_from``: on the GPU inside the kernel, no launch of its own) and then reports :meth:`folded`. Rows are
         only appended, or cut back, which the ``keys`` setter notices and which restarts from the context's range."""
-        low, high, covered = self._range
-        if rows < covered:
-            low, high, covered = self.value_min.clone(), self.value_max.clone(), self.context_rows
-            self._range = (low, high, covered)
-        return low, high, covered
+        if rows < self._range[2]:
+            self._range = self._context_range()
+        return self._range
+
+    def _context_range(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A running range that starts as the context's: the layer's own tensors (the attention calls fold rows into
+        them in place), outside autograd (a running statistic, like a max pooled over steps)."""
+        return self.value_min.detach().clone(), self.value_max.detach().clone(), self.context_rows
 
     def folded(self, rows: int) -> None:
         """The call after :meth:`clip_range` folded every row up to ``rows`` in (reported after it ran: a call that

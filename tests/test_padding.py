@@ -325,3 +325,21 @@ def test_the_running_clip_range_survives_a_failed_call_and_never_touches_the_con
     assert torch.equal(v_max, torch.maximum(high, grown[:, :, -1])) and torch.equal(v_min, low)
     assert torch.equal(layer.value_min, low) and torch.equal(layer.value_max, high)
     assert (out.amax() > high.amax()).item()  # the answer leans on the new row, past the context's range
+
+
+def test_decode_steps_over_a_compressed_cache_keep_their_gradients():
+    """The running clip range is folded in place, outside autograd, and the PyTorch path clips with a copy of it
+    while gradients are recorded: decode steps run with autograd on (a prefill compressed under no_grad) and their
+    backward pass sees no tensor changed by a later step's fold."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with CompressKVPress(compression_ratio=0.5)(model):
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        first = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+        second = model(input_ids=first[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+    (first.sum() + second.sum()).backward()
+    weight = model.model.layers[0].self_attn.v_proj.weight
+    assert weight.grad is not None and bool(weight.grad.abs().sum() > 0)
+    assert not cache.layers[0].clip_range(cache.layers[0].keys.shape[-2])[0].requires_grad
