@@ -189,8 +189,7 @@ def fold_value_range_(
 def _fold_value_range(v_min, v_max, values, fold_from, key_mask) -> None:
     n = values.shape[-2]
     if isinstance(fold_from, torch.Tensor):
-        batch, heads, _, d_v = values.shape
-        new = values.gather(2, fold_from.view(batch, 1, 1, 1).expand(batch, heads, 1, d_v)).squeeze(2)
+        new = values[torch.arange(values.shape[0], device=values.device), :, fold_from]  # [b, h_kv, d_v]
         torch.minimum(v_min, new.to(v_min.dtype), out=v_min)
         torch.maximum(v_max, new.to(v_max.dtype), out=v_max)
         return
