@@ -1,8 +1,9 @@
 """kvcompress: weighted-coreset KV-cache compression (CompressKV, WildCat) for transformers and kvpress."""
 
 from kvcompress.attention import weighted_attention
+from kvcompress.bin_temperature import temperature
 from kvcompress.lambert import lambert_w0
-from kvcompress.nystrom import compress_kv, rpnys, temperature
+from kvcompress.nystrom import compress_kv, rpnys
 
 __all__ = [
     "CompressKVPress",

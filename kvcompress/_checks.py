@@ -60,6 +60,18 @@ def check_finite(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: contains NaN or Inf")
 
 
+def as_finite_float64(name: str, x: float | torch.Tensor) -> torch.Tensor:
+    """``x`` (a number or a real tensor) as a float64 tensor; a ValueError naming ``name`` if it is neither, or is
+    not finite."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, torch.Tensor)):
+        raise ValueError(f"{name}: must be a number or a real torch.Tensor, got {type(x).__name__}")
+    if isinstance(x, torch.Tensor) and (x.is_complex() or x.dtype == torch.bool):
+        raise ValueError(f"{name}: must be a real torch.Tensor, got {x.dtype}")
+    t = torch.as_tensor(x, dtype=torch.float64)
+    check_finite(name, t)
+    return t
+
+
 def int_flag(low: int, high: int | None = None):
     """An argparse ``type``: an int in ``[low, high]`` (argparse's one-line error names the flag)."""
 

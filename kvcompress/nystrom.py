@@ -1,4 +1,4 @@
-"""CompressKV on plain tensors: the temperature of eq. (12), RPNys (Alg. 1), Alg. 2 (W0: :mod:`kvcompress.lambert`).
+"""CompressKV on plain tensors: RPNys (Alg. 1) and Alg. 2 (eq. (12)'s temperature: :mod:`kvcompress.bin_temperature`).
 
 Reference implementation in PyTorch. Everything is batched over leading dimensions and bins; the
 only Python loop is over the pivot steps of Alg. 1, which are sequential by nature.
@@ -12,8 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress import rng
-from kvcompress._checks import check_backend, check_finite, check_float_tensor, check_int_range, check_positive
-from kvcompress.lambert import RHO0, lambert_w0
+from kvcompress._checks import (
+    as_finite_float64,
+    check_backend,
+    check_finite,
+    check_float_tensor,
+    check_int_range,
+    check_positive,
+)
+from kvcompress.bin_temperature import kernel_coefficient
 
 # Residual diagonal of the Gaussian kernel (its diagonal is 1) below which a bin counts as exhausted.
 _EXHAUSTED = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -21,67 +28,6 @@ _EXHAUSTED = {torch.float32: 1e-5, torch.float64: 1e-12}
 # 2^-126) times e^60 stay under 2e-12, far below float32's rounding of the weights. Past it the weights come back
 # non-finite (the callers' float64 fallback): a flushed entry times an infinite factor would otherwise hide as 0.
 FLOAT32_SPREAD = 60.0
-
-
-def temperature(
-    scaling: float | torch.Tensor,
-    query_radius: float | torch.Tensor,
-    key_radius: float | torch.Tensor,
-    n: int | torch.Tensor,
-) -> torch.Tensor:
-    """Temperature tau of eq. (12), elementwise over broadcastable float64 tensors.
-
-    tau = sqrt(R_K / R_Q * b0 / (2 W0(b0 / (2 rho0)))),  b0 = log(n) / (beta R_Q R_K) + 2.
-    Requires beta, R_Q, R_K > 0 and n >= 1.
-    Raises ValueError naming the first argument out of range or non-finite, or shapes that do not broadcast.
-    """
-    tensors = {}
-    for name, x, low in (("scaling", scaling, 0), ("query_radius", query_radius, 0), ("key_radius", key_radius, 0)):
-        tensors[name] = _finite_float64(name, x)
-        if bool((tensors[name] <= low).any()):
-            raise ValueError(f"{name}: must be > 0 everywhere")
-    tensors["n"] = _finite_float64("n", n)
-    if bool((tensors["n"] < 1).any()):
-        raise ValueError("n: must be >= 1 everywhere")
-    try:
-        torch.broadcast_shapes(*(t.shape for t in tensors.values()))
-    except RuntimeError as err:
-        shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in tensors.items())
-        raise ValueError(f"temperature: shapes do not broadcast ({shapes})") from err
-    return _temperature(*tensors.values())
-
-
-def _finite_float64(name: str, x: float | torch.Tensor) -> torch.Tensor:
-    if isinstance(x, bool) or not isinstance(x, (int, float, torch.Tensor)):
-        raise ValueError(f"{name}: must be a number or a real torch.Tensor, got {type(x).__name__}")
-    if isinstance(x, torch.Tensor) and (x.is_complex() or x.dtype == torch.bool):
-        raise ValueError(f"{name}: must be a real torch.Tensor, got {x.dtype}")
-    t = torch.as_tensor(x, dtype=torch.float64)
-    check_finite(name, t)
-    return t
-
-
-def _temperature(
-    scaling: torch.Tensor, query_radius: torch.Tensor, key_radius: torch.Tensor, n: torch.Tensor
-) -> torch.Tensor:
-    """:func:`temperature` on values the caller guarantees (computed in float64; no host read here)."""
-    beta, r_q, r_k, n_ = (torch.as_tensor(x, dtype=torch.float64) for x in (scaling, query_radius, key_radius, n))
-    b0 = torch.log(n_) / (beta * r_q * r_k) + 2
-    return torch.sqrt(r_k / r_q * b0 / (2 * lambert_w0(b0 / (2 * RHO0))))
-
-
-def kernel_coefficient(
-    scaling: torch.Tensor, query_radius: torch.Tensor, key_radius: torch.Tensor, n: torch.Tensor
-) -> torch.Tensor:
-    """a = beta / tau^2, the coefficient of the RPNys kernel exp(a <x, y>), float64.
-
-    A bin whose recentred keys are all zero (R_K = 0; one key, or equal keys) gets a = 0: its kernel is constant
-    either way (the radii stand in for 1 there, also a query radius taken from those keys, so no 0 / 0 is formed).
-    """
-    flat = key_radius <= 0
-    one = torch.ones_like(key_radius)
-    tau = _temperature(scaling, torch.where(flat, one, query_radius), torch.where(flat, one, key_radius), n)
-    return torch.where(flat, torch.zeros_like(tau), scaling / tau**2)
 
 
 @dataclass
@@ -130,7 +76,7 @@ def rpnys(
     check_finite("keys", keys)
     *lead, length, _ = keys.shape
     check_int_range("rank", rank, 1, length)
-    coefficient = _finite_float64("coefficient", coefficient)
+    coefficient = as_finite_float64("coefficient", coefficient)
     if bool((coefficient < 0).any()):
         raise ValueError("coefficient: must be >= 0 everywhere (the kernel exp(a <x, y>) needs a >= 0)")
     try:

@@ -11,7 +11,9 @@ from scipy.special import lambertw
 from scipy.stats import chi2
 
 from kvcompress import compress_kv, lambert_w0, rng, rpnys, temperature, weighted_attention
-from kvcompress.nystrom import RHO0, bin_bounds, kernel_coefficient
+from kvcompress.bin_temperature import kernel_coefficient
+from kvcompress.lambert import RHO0
+from kvcompress.nystrom import bin_bounds
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
