@@ -72,6 +72,23 @@ def as_finite_float64(name: str, x: float | torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_fold_from(
+    fold_from: object, batch: int, n: int, device: torch.device, v_min: object, v_max: object, read_indices: bool
+) -> None:
+    """Weighted attention's ``fold_from``: None, an int in ``[0, n]``, or a ``[batch]`` int64 tensor on ``device``
+    (``read_indices``: each in ``[0, n)``, one host read), with both clip bounds given."""
+    if isinstance(fold_from, torch.Tensor):
+        if fold_from.dtype != torch.int64 or fold_from.shape != (batch,) or fold_from.device != device:
+            raise ValueError(f"fold_from: a tensor must be int64 of shape ({batch},) on {device}, got "
+                             f"{fold_from.dtype} {tuple(fold_from.shape)} on {fold_from.device}")  # fmt: skip
+        if read_indices and bool(((fold_from < 0) | (fold_from >= n)).any()):  # the kernel would read out of bounds
+            raise ValueError(f"fold_from: every index must be in [0, {n - 1}] (a row of the cache)")
+    elif fold_from is not None:
+        check_int_range("fold_from", fold_from, 0, n)
+    if fold_from is not None and (v_min is None or v_max is None):
+        raise ValueError("fold_from: needs both v_min and v_max (the running range it folds rows into)")
+
+
 def int_flag(low: int, high: int | None = None):
     """An argparse ``type``: an int in ``[low, high]`` (argparse's one-line error names the flag)."""
 

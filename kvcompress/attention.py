@@ -7,7 +7,7 @@ import math
 import torch
 
 from kvcompress._checks import BACKENDS as _BASE_BACKENDS
-from kvcompress._checks import check_backend, check_float_tensor, check_int_range, check_positive
+from kvcompress._checks import check_backend, check_float_tensor, check_fold_from, check_int_range, check_positive
 from kvcompress._checks import check_finite as _check_finite
 
 BACKENDS = (*_BASE_BACKENDS, "flex")  # weighted_attention's backends
@@ -88,17 +88,7 @@ def weighted_attention(
     scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
     if causal_offset is not None:
         check_int_range("causal_offset", causal_offset, 0)
-    if isinstance(fold_from, torch.Tensor):
-        if fold_from.dtype != torch.int64 or fold_from.shape != (batch,) or fold_from.device != queries.device:
-            raise ValueError(f"fold_from: a tensor must be int64 of shape ({batch},) on {queries.device}, got "
-                             f"{fold_from.dtype} {tuple(fold_from.shape)} on {fold_from.device}")  # fmt: skip
-        if bool(((fold_from < 0) | (fold_from >= n)).any()):  # one device sync: the kernel would read out of bounds
-            raise ValueError(f"fold_from: every index must be in [0, {n - 1}] (a row of the cache)")
-    elif fold_from is not None:
-        check_int_range("fold_from", fold_from, 0, n)
-    if fold_from is not None:
-        if v_min is None or v_max is None:
-            raise ValueError("fold_from: needs both v_min and v_max (the running range it folds rows into)")
+    check_fold_from(fold_from, batch, n, queries.device, v_min, v_max, read_indices=True)
     if key_mask is not None:
         if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool:
             kind = key_mask.dtype if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
@@ -166,7 +156,7 @@ def _folded_for_torch(v_min, v_max, values, fold_from, key_mask):
     """:func:`fold_value_range_`, then the range the PyTorch path clips with: a copy where autograd may save it for
     the backward pass (the next call's fold changes the running range in place)."""
     fold_value_range_(v_min, v_max, values, fold_from, key_mask)
-    if fold_from is not None and torch.is_grad_enabled() and v_min is not None:
+    if fold_from is not None and torch.is_grad_enabled():  # fold_from comes with both bounds
         return v_min.clone(), v_max.clone()
     return v_min, v_max
 

@@ -22,9 +22,9 @@ def temperature(
     Raises ValueError naming the first argument out of range or non-finite, or shapes that do not broadcast.
     """
     tensors = {}
-    for name, x, low in (("scaling", scaling, 0), ("query_radius", query_radius, 0), ("key_radius", key_radius, 0)):
+    for name, x in (("scaling", scaling), ("query_radius", query_radius), ("key_radius", key_radius)):
         tensors[name] = as_finite_float64(name, x)
-        if bool((tensors[name] <= low).any()):
+        if bool((tensors[name] <= 0).any()):
             raise ValueError(f"{name}: must be > 0 everywhere")
     tensors["n"] = as_finite_float64("n", n)
     if bool((tensors["n"] < 1).any()):

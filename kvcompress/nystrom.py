@@ -106,7 +106,6 @@ def _rpnys(
     valid: torch.Tensor | None = None,
 ) -> RPNysResult:
     """:func:`rpnys` on inputs the caller guarantees (no checks, no host reads before the pivot loop)."""
-
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     *lead, length, _ = keys.shape
     y = keys.to(compute) * coefficient.to(compute).clamp_min(0).sqrt().unsqueeze(-1).unsqueeze(-1)

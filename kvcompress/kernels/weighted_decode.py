@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress._checks import check_fold_from
 from kvcompress.kernels.cached_launch import launch
 from kvcompress.kernels.launch import (  # noqa: F401  (the tiling constants and heuristic, re-exported)
     DEFAULT_SM_COUNT,
@@ -326,14 +327,7 @@ def weighted_decode_attention(
     heads_kv, n, d_v = keys.shape[1], keys.shape[2], values.shape[3]
     fold_rows = isinstance(fold_from, torch.Tensor)
     if fold_from is not None:
-        if fold_rows:
-            if fold_from.dtype != torch.int64 or fold_from.shape != (batch,) or fold_from.device != queries.device:
-                raise ValueError(f"fold_from: a tensor must be int64 of shape ({batch},) on {queries.device}, got "
-                                 f"{fold_from.dtype} {tuple(fold_from.shape)} on {fold_from.device}")  # fmt: skip
-        elif isinstance(fold_from, bool) or not isinstance(fold_from, int) or not 0 <= fold_from <= n:
-            raise ValueError(f"fold_from: must be an int in [0, {n}] (the cache's rows), got {fold_from!r}")
-        if v_min is None or v_max is None:
-            raise ValueError("fold_from: needs both v_min and v_max (the running range it folds rows into)")
+        check_fold_from(fold_from, batch, n, queries.device, v_min, v_max, read_indices=False)
     fold = fold_rows or (fold_from is not None and fold_from < n)
     out = values.new_empty(batch, heads_q, m, d_v)
     final = plan.num_splits == 1

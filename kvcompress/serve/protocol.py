@@ -58,7 +58,8 @@ def _unset(value: Any) -> bool:
 _NO_TOOLS = "this server does not call tools"
 UNSUPPORTED = {
     "echo": (_unset, "this server does not echo the prompt"),
-    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "this server generates one completion per request"),
+    "best_of": (lambda v: v is None or (type(v) is int and v == 1),
+                "this server does not rank candidate completions (ask for n choices instead)"),
     "suffix": (_unset, "this server does not insert text before a suffix"),
     "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1),
                            "this server takes OpenAI's presence_penalty and frequency_penalty instead"),
