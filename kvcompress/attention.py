@@ -161,6 +161,7 @@ def _folded_for_torch(v_min, v_max, values, fold_from, key_mask):
     return v_min, v_max
 
 
+@torch.no_grad()
 def fold_value_range_(
     v_min: torch.Tensor | None,
     v_max: torch.Tensor | None,
@@ -172,11 +173,6 @@ def fold_value_range_(
     clip range ``v_min`` / ``v_max [b, h_kv, d_v]`` in place, rounded to their dtype; nothing when ``fold_from`` is
     None or n. A ``[b]`` int64 tensor: batch row ``i`` folds its one row ``fold_from[i]``. The PyTorch form of the
     Triton kernel's fold (three launches on a GPU, none there); outside autograd, as the kernel's is."""
-    with torch.no_grad():
-        _fold_value_range(v_min, v_max, values, fold_from, key_mask)
-
-
-def _fold_value_range(v_min, v_max, values, fold_from, key_mask) -> None:
     n = values.shape[-2]
     if isinstance(fold_from, torch.Tensor):
         new = values[torch.arange(values.shape[0], device=values.device), :, fold_from]  # [b, h_kv, d_v]
