@@ -302,7 +302,8 @@ def weighted_decode_attention(
     a key no query of that row sees); any strides, no copies. ``causal_offset``: an int, or a one-element int
     tensor on the inputs' device that the kernel reads (no host sync; static caches). Inputs must already be
     validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
-    ``unsupported_reason`` (``check=False`` skips that test: callers that already made it). ``num_splits`` /
+    ``unsupported_reason`` (``check=False`` skips that test and ``fold_from``'s: callers that already made them).
+    ``num_splits`` /
     ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16) / ``num_warps`` (stage 1's:
     1, 2, 4, 8 or 16) override the heuristics (tests, tuning); ``num_stages``: Triton's software pipelining depth.
     Launch plans and the split partials are cached per shape. Accumulates in fp32; returns ``[b, h_q, m, d_v]``
@@ -326,7 +327,7 @@ def weighted_decode_attention(
     batch, heads_q, m, dim = queries.shape
     heads_kv, n, d_v = keys.shape[1], keys.shape[2], values.shape[3]
     fold_rows = isinstance(fold_from, torch.Tensor)
-    if fold_from is not None:
+    if check and fold_from is not None:
         check_fold_from(fold_from, batch, n, queries.device, v_min, v_max, read_indices=False)
     fold = fold_rows or (fold_from is not None and fold_from < n)
     out = values.new_empty(batch, heads_q, m, d_v)
