@@ -19,6 +19,8 @@ pipeline slices to).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -337,6 +339,22 @@ def check_cache(cache: object) -> None:
             f"past_key_values: kvcompress compresses a transformers DynamicCache (not offloaded), got "
             f"{type(cache).__name__}"
         )
+
+
+def empty_cache_restorer(cache: DynamicCache) -> Callable[[], None]:
+    """A function that puts ``cache``, which holds no token yet, back as it is now: its class, its layer objects
+    and their attributes (a prefill only assigns new tensors to a dynamic layer's attributes, so a shallow copy of
+    each layer's ``__dict__`` is its whole state). For a prefill whose cache turned out unusable after the fact."""
+    kind, layers = type(cache), [(layer, dict(vars(layer))) for layer in cache.layers]
+
+    def restore() -> None:
+        for layer, state in layers:
+            vars(layer).clear()
+            vars(layer).update(state)
+        cache.__class__ = kind
+        cache.layers[:] = [layer for layer, _ in layers]
+
+    return restore
 
 
 def install_compressed_layer(cache: DynamicCache, layer_idx: int, layer: WeightedLayer) -> None:

@@ -100,5 +100,5 @@ def refuse_non_finite_layers(flags: list[tuple[int, torch.Tensor]]) -> None:
             if not ok:
                 raise ValueError(
                     f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
-                    "cache holds this prefill's layers: start again from a new cache)"
+                    "cache passed in holds no token of this prefill, as before the call)"
                 )

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 from kvpress.presses.base_press import BasePress, is_prefilling
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_compression_ratio, check_int_range
-from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
+from kvcompress.cache import WeightedLayer, check_cache, empty_cache_restorer, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
@@ -104,6 +104,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
     _positions: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _prefilling's
     _rows: Any = field(default=None, init=False, repr=False, compare=False)  # (n, real_token_rows) of this prefill
+    _restore: Any = field(default=None, init=False, repr=False, compare=False)  # puts the cache back as before it
     _side: CompressionStream = field(default_factory=CompressionStream, init=False, repr=False, compare=False)
     _deferred: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (cache, state)
 
@@ -222,7 +223,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
             self._position_ids = None
             self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
-            self._finite, self._positions, self._rows = [], (None, None, False), None
+            self._finite, self._positions, self._rows, self._restore = [], (None, None, False), None, None
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
@@ -237,13 +238,14 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._call, self._stream = (decoder, argument("input_ids", 0)), None
             self._parked = None
             # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.
-            self._finite, self._positions, self._rows = [], (None, None, False), None
+            self._finite, self._positions, self._rows, self._restore = [], (None, None, False), None, None
             self._refuse_before_the_prefill(argument("inputs_embeds", 4), argument("past_key_values", 3))
 
     def _refuse_before_the_prefill(self, inputs_embeds: torch.Tensor | None, cache) -> None:
         """Raise, before any layer writes the cache, for a call this press would compress but refuse in a layer's
         hook or after the prefill: a batch row of padding only, a repeat pass without token ids, a padded repeat
-        pass over sliding-window layers. One host read of the mask per prefill (none for decode steps)."""
+        pass over sliding-window layers. One host read of the mask per prefill (none for decode steps). Remembers the
+        empty cache, put back if the prefill's layers turn out to hold NaN or Inf (:meth:`_finish_prefill`)."""
         input_ids = self._call[1]
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None or tokens.shape[1] < 2 or self.plan(tokens.shape[1]) is None:
@@ -252,6 +254,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             return  # not a prefill: nothing is compressed
         rows = real_token_rows(self._attention_mask, tokens.shape[0], tokens.shape[1], tokens.device)
         self._rows = (tokens.shape[1], rows)  # the layers' hooks take them from here (one host read per prefill)
+        if isinstance(cache, DynamicCache):
+            self._restore = empty_cache_restorer(cache)
         if "repeat" in self.reference_sources():
             refuse_a_repeat_pass(self, input_ids, cache, rows is not None, self._windows)
 
@@ -271,7 +275,13 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             return
         self._prefilled = False
         flags, self._finite = self._finite, []
-        refuse_non_finite_layers(flags)
+        restore, self._restore = self._restore, None
+        try:
+            refuse_non_finite_layers(flags)
+        except ValueError:
+            if restore is not None:
+                restore()  # no layer keeps rows compressed from NaN or Inf
+            raise
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
         if cache is None:
             return

@@ -350,17 +350,33 @@ def test_crop_counts_tokens_and_refuses_to_cut_the_compressed_context():
 @pytest.mark.parametrize(
     "press", [CompressKVPress(compression_ratio=0.5), CompressKVPress.thorough(0.5), CompressKVPress.paper(0.5)]
 )
-def test_a_layer_with_nan_keys_is_named_after_the_prefill(press):
-    """The finiteness of every compressed layer is read once, after the prefill: the error names the first bad layer."""
+@pytest.mark.parametrize("prebuilt", [False, True], ids=["lazy-layers", "layers-from-config"])
+def test_a_layer_with_nan_keys_is_named_after_the_prefill(press, prebuilt):
+    """The finiteness of every compressed layer is read once, after the prefill: the error names the first bad layer,
+    and the cache passed in is put back as it was (no layer compressed from NaN keys), so it can be used again."""
+    press.seed = 0  # paper()'s random selection: the same rows from the same context
     model = tiny_model("llama", num_hidden_layers=3)
+    weight = model.model.layers[1].self_attn.k_proj.weight
+    kept = weight.data[0, 0].item()
     with torch.no_grad():
-        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+        weight[0, 0] = float("nan")
     ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config) if prebuilt else DynamicCache()
+    layers = list(cache.layers)
     with pytest.raises(ValueError, match=r"^layer 1 keys: contains NaN or Inf \(the model's own prefill"), press(model):
-        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-    with press(model):  # the next prefill starts clean
-        model.model.layers[1].self_attn.k_proj.weight.data[0, 0] = 0.5
-        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert type(cache) is DynamicCache and cache.get_seq_length() == 0 and cache.layers == layers
+    assert all(not layer.is_initialized for layer in cache.layers)
+    with torch.no_grad():
+        weight[0, 0] = kept
+    with torch.no_grad(), press(model):  # the same cache takes the next prefill as a new one would
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        fresh = DynamicCache()
+        model(input_ids=ids, past_key_values=fresh, use_cache=True)
+    for layer, expected in zip(cache.layers, fresh.layers, strict=True):
+        assert isinstance(layer, WeightedLayer) and layer.keys.shape == expected.keys.shape
+        torch.testing.assert_close(layer.keys, expected.keys, rtol=0, atol=0)
+        torch.testing.assert_close(layer.row_weights, expected.row_weights, rtol=0, atol=0)
 
 
 def test_prefill_state_is_read_once_per_decoder_call(monkeypatch):
