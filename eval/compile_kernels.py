@@ -148,8 +148,8 @@ def attention_cases(dtypes: list[str], head_dims: list[int]):
     launchers plan it for a Qwen2.5-7B-shaped layer (28 query heads, 4 KV heads) over 32,768 cached rows: a decode
     step (split over the keys: stage 1 and the merge), plain, with the merge fused into stage 1's last split, folding
     the step's row into the clip range (a dynamic cache's step, both ways; the server's decode batch, each row's own
-    row read on the device), and as a static cache runs it (the causal offset read on the device, a key mask, the
-    value clip), and a 512-token prefill chunk."""
+    row and causal offset read on the device, no key mask), and as a static cache runs it (the causal offset read on
+    the device, a key mask, the value clip), and a 512-token prefill chunk."""
     import torch
 
     from kvcompress.kernels import weighted_decode as wd
@@ -167,18 +167,19 @@ def attention_cases(dtypes: list[str], head_dims: list[int]):
             for label, m, static, fused, fold in cases:
                 queries = torch.empty(1, 28, m, dim, dtype=dtype, device="meta")
                 keys = torch.empty(1, 4, n + m, dim, dtype=dtype, device="meta")
-                offset = torch.empty(1, dtype=torch.int64, device="meta") if static else n
+                on_device = static or fold == "rows"  # a decode batch: each row's offset, read on the device
+                offset = torch.empty(1, dtype=torch.int64, device="meta") if on_device else n
                 plan = launch_plan(queries, keys, keys, offset, None, None, None, interpret=False)
                 stages = pipeline_stages(dim, dim, dtype) if m > wd.MAX_NEW_TOKENS else 2
                 split, merge = wd.kernel_options(
                     plan, dim, dim, has_vmin=static or bool(fold), has_vmax=static or bool(fold),
-                    has_mask=static or fold == "rows", offset_on_device=static, num_stages=stages, fused_merge=fused,
+                    has_mask=static, offset_on_device=on_device, num_stages=stages, fused_merge=fused,
                     fold=bool(fold), fold_on_device=fold == "rows",
                 )  # fmt: skip
                 partial = data if plan.num_splits == 1 else "*fp32"  # one split: stage 1 writes the output
                 pointers = dict(q_ptr=data, k_ptr=data, v_ptr=data, w_ptr=data, vmin_ptr=data, vmax_ptr=data,
                                 mask_ptr="*u8", out_ptr=data, mpart_ptr=partial, dpart_ptr=partial,
-                                npart_ptr=partial, offset_ptr="*i64" if static else "*u8",
+                                npart_ptr=partial, offset_ptr="*i64" if on_device else "*u8",
                                 lock_ptr="*i32" if fused else "*u8",
                                 fold_ptr="*i64" if fold == "rows" else "*u8")  # fmt: skip
                 name = f"weighted {label} {dtype_name} d={dim}"

@@ -137,12 +137,14 @@ def weighted_attention_unchecked(
     scaling: float,
     v_min: torch.Tensor | None = None,
     v_max: torch.Tensor | None = None,
-    causal_offset: int | None = None,
+    causal_offset: int | torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     fold_from: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``weighted_attention(..., backend="auto", check_finite=False)`` without its argument checks: for callers
-    whose inputs are model activations of known shapes (the attention function runs this every layer and step)."""
+    whose inputs are model activations of known shapes (the attention function runs this every layer and step).
+    ``causal_offset`` may also be an int64 tensor on the inputs' device, of one element or ``[b]`` (each batch row's
+    offset: the Triton kernel then reads no key past a row's own)."""
     if queries.is_cuda:
         kernel = _triton_kernel(queries, keys, values, weights, v_min, v_max, required=False)
         if kernel is not None:
@@ -229,10 +231,11 @@ def _weighted_attention_torch(
     scaling: float,
     v_min: torch.Tensor | None,
     v_max: torch.Tensor | None,
-    causal_offset: int | None,
+    causal_offset: int | torch.Tensor | None,
     key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The PyTorch reference of ``weighted_attention`` on validated inputs (any device, float32/float64 math).
+    """The PyTorch reference of ``weighted_attention`` on validated inputs (any device, float32/float64 math);
+    ``causal_offset`` also an int64 tensor of one element or ``[b]`` (each batch row's), as the kernel takes it.
 
     When nothing is hidden (no key mask, and an int ``causal_offset`` at or past the last key: a decode step over
     its own cache) every row sees a key, so a fused softmax stands in for the masked max-subtracted exponentials:
@@ -250,6 +253,8 @@ def _weighted_attention_torch(
     else:
         if causal_offset is not None:
             rows = torch.arange(m, device=queries.device).repeat(group)
+            if isinstance(causal_offset, torch.Tensor):  # [1] or [b]: [b or 1, 1, g*m, 1]
+                causal_offset = causal_offset.view(-1, 1, 1, 1)
             allowed = torch.arange(n, device=queries.device)[None, :] <= causal_offset + rows[:, None]
             logits = logits.masked_fill(~allowed, -math.inf)
         if key_mask is not None:

@@ -60,6 +60,7 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
     """
 
     is_sliding = False
+    row_offsets = None  # per-row causal offsets (a decode batch's, kvcompress.serve.batch): the new rows see all
 
     def __init__(
         self,

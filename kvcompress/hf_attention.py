@@ -277,6 +277,7 @@ def kvcompress_attention(
         return out.transpose(1, 2).contiguous(), None
     rows, q_len = key.shape[-2], query.shape[-2]
     key_mask = layer.key_mask(rows, attention_mask)
+    offsets = layer.row_offsets  # a decode batch's per-row causal offsets on CUDA; else None
     v_min, v_max, fold_from = layer.clip_range(rows)
     out = weighted_attention_unchecked(
         query,
@@ -286,7 +287,7 @@ def kvcompress_attention(
         scaling=scaling,
         v_min=v_min,
         v_max=v_max,
-        causal_offset=rows - q_len,
+        causal_offset=rows - q_len if offsets is None else offsets,
         key_mask=key_mask,
         fold_from=fold_from,
     )

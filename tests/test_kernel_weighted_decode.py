@@ -106,6 +106,45 @@ def test_causal_offset_read_on_device_equals_the_host_int():
             check_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("splits, fused", [(1, False), (4, False), (4, True)])
+def test_a_causal_offset_per_batch_row_reads_no_key_past_its_row(splits, fused):
+    """A ``[b]`` causal offset (a decode batch's rows of different lengths, each new row at its own length): batch
+    row i sees keys ``<= offset[i]``, as with the equivalent key mask, and its programs never read past them: the
+    rows past each offset hold NaN, which any read would carry into the output (0 x NaN), and the outputs equal the
+    reference over clean rows (float64, and the PyTorch path's [b] offset bit for bit against the key mask's).
+    Each row's new row is folded into the clip range, as the server's step does."""
+    n, batch, heads_kv = 300, 3, 2
+    q, k, v, w, _ = make_inputs(batch, 3 * heads_kv, heads_kv, 1, n, 32, torch.bfloat16, clip=True, seed=31)
+    offsets = torch.tensor([117, 299, 40], device=DEVICE)  # one row ends in the first of 4 splits, one in the last
+    visible = torch.arange(n, device=DEVICE)[None, :] <= offsets[:, None]
+    v_max = 0.5 + torch.rand(batch, heads_kv, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    v_min = -v_max
+    kwargs = dict(scaling=0.2, v_min=v_min, v_max=v_max)
+    by_mask = weighted_attention(q, k, v, w, causal_offset=n - 1, key_mask=visible, backend="torch", **kwargs)
+    exact = weighted_attention(q.double(), k.double(), v.double(), w.double(), causal_offset=n - 1,
+                               key_mask=visible, backend="torch", **kwargs)  # fmt: skip
+    check_close(by_mask, exact, torch.bfloat16)
+    from kvcompress.attention import weighted_attention_unchecked
+
+    torch_rows = weighted_attention_unchecked(q.cpu(), k.cpu(), v.cpu(), w.cpu(), causal_offset=offsets.cpu(),
+                                              **{name: x.cpu() for name, x in kwargs.items() if name != "scaling"},
+                                              scaling=0.2)  # fmt: skip
+    assert torch.equal(torch_rows, by_mask.cpu())
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[~visible[:, None, :, None].expand_as(k)] = float("nan")
+    poisoned_v[~visible[:, None, :, None].expand_as(v)] = float("nan")
+    want_min, want_max = v_min.clone(), v_max.clone()
+    fold_value_range_(want_min, want_max, v, offsets)
+    lo, hi = v_min.clone(), v_max.clone()
+    out = weighted_decode.weighted_decode_attention(q, poisoned_k, poisoned_v, w, scaling=0.2, v_min=lo, v_max=hi,
+                                                    causal_offset=offsets, fold_from=offsets, num_splits=splits,
+                                                    fused_merge=fused)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert torch.equal(lo, want_min) and torch.equal(hi, want_max)
+    check_close(out, weighted_attention(q, k, v, w, causal_offset=n - 1, key_mask=visible, backend="torch",
+                                        scaling=0.2, v_min=want_min, v_max=want_max), torch.bfloat16)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_key_mask_padding_and_filler(dtype):
     """Left-padded, right-padded and filler keys (split across several splits) are invisible, as in the reference."""

@@ -50,8 +50,18 @@ def _alone(model, ctx, question, cache, steps):
     return logits
 
 
+def _as_on_cuda(batch, per_row: bool):
+    """``per_row``: the batch's layers give the attention each row's causal offset and no shared mask, as on CUDA
+    (where the Triton kernel then reads no key past a row's own); here the PyTorch path runs the same arguments."""
+    if per_row and batch is not None:
+        for layer in batch.layers:
+            layer._offsets_on_device = True
+    return batch
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-mask", "per-row-offsets"])
 @torch.no_grad()
-def test_decode_batch_equals_each_session_alone_with_joins_and_leaves():
+def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(per_row):
     """Three sessions of different compressed lengths (and one never compressed), different question lengths and
     positions: each step of the batch gives each session the logits it gets alone, while one session joins late
     and one leaves early (the batch rebuilt around them). float64, so the batch's other reduction order (a GEMM
@@ -85,14 +95,14 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves():
     capacity = max(rows) + 9 + steps + 1
     rows0, tok0, pos0 = opened(0)
     rows1, tok1, pos1 = opened(1)
-    batch = build(None, [], [rows0, rows1], capacity)
+    batch = _as_on_cuda(build(None, [], [rows0, rows1], capacity), per_row)
     members = {0: [tok0, pos0, 0], 1: [tok1, pos1, 0]}  # session -> [pending token, position, step]
     order = [0, 1]
     rnd = 0
     while order:
         if rnd == 2:  # session 2 joins while the others decode
             rows2, tok2, pos2 = opened(2)
-            batch = build(batch, list(range(len(order))), [rows2], capacity)
+            batch = _as_on_cuda(build(batch, list(range(len(order))), [rows2], capacity), per_row)
             order.append(2)
             members[2] = [tok2, pos2, 0]
         logits = decode_step(model, batch, [members[s][0] for s in order], [members[s][1] for s in order])
@@ -104,15 +114,16 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves():
         # session 0 leaves early, the others when done: the batch is rebuilt around the rest
         keep = [b for b, s in enumerate(order) if members[s][2] < steps and not (s == 0 and rnd == 3)]
         if len(keep) < len(order):
-            batch = build(batch, keep, [], capacity)
+            batch = _as_on_cuda(build(batch, keep, [], capacity), per_row)
             order = [order[b] for b in keep]
         rnd += 1
     assert [members[s][2] for s in range(3)] == [4, steps, steps]
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-mask", "per-row-offsets"])
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])  # sliding, full, sliding; every layer sliding
 @torch.no_grad()
-def test_decode_batch_keeps_each_sessions_sliding_window(family):
+def test_decode_batch_keeps_each_sessions_sliding_window(family, per_row):
     """On sliding-window layers each session's new token sees only its own window, as alone: 12 steps past a
     window of 8, two sessions of different lengths in one batch (the batch attended over every row it held:
     logits off by 0.1-0.4 from the second step). float64; tolerance as in the test above."""
@@ -138,6 +149,7 @@ def test_decode_batch_keeps_each_sessions_sliding_window(family):
         positions.append(n + m)
     assert [source.window for source in sources[0]] == layer_windows(model)  # gemma3 [8, None, 8]; mistral [8, 8]
     batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1)
+    _as_on_cuda(batch, per_row)
     for step in range(steps):
         logits = decode_step(model, batch, tokens, positions)
         for b in range(2):

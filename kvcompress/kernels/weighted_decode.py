@@ -81,6 +81,7 @@ def _weighted_split_kernel(
     s_lb, s_lh, s_ld,
     s_ub, s_uh, s_ud,
     s_mb, s_mn,
+    s_ob,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VMIN: tl.constexpr, HAS_VMAX: tl.constexpr, HAS_MASK: tl.constexpr, FINAL: tl.constexpr,
@@ -91,19 +92,20 @@ def _weighted_split_kernel(
     ``FOLD``: the program that finishes rows folds values ``[fold_lo, fold_hi)`` into the clip range in place
     (``FOLD_PTR``: the one row ``fold_ptr[b]`` of each batch row instead)
     (:func:`clip_bounds`).
-    ``OFFSET_PTR``: the causal offset is read from device memory (static caches: no host value per step).
+    ``OFFSET_PTR``: the causal offset is read from device memory, ``offset_ptr[b * s_ob]`` (static caches: no host
+    value per step, ``s_ob`` 0; a decode batch: each batch row's own, so no program reads keys past its row's).
     ``FUSED_MERGE`` (several splits): the last program of a (pair, row block) to store its partials, counted in
     ``lock_ptr`` (int32, zero before the launch and again after it), merges them and writes the output: stage 2
     without its launch."""
-    if OFFSET_PTR:
-        offset = tl.load(offset_ptr).to(tl.int32)
-    else:
-        offset = causal_offset
     bh = tl.program_id(0)
     split = tl.program_id(1)
     rblock = tl.program_id(2)
     b = (bh // H_KV).to(tl.int64)
     h = (bh % H_KV).to(tl.int64)
+    if OFFSET_PTR:
+        offset = tl.load(offset_ptr + b * s_ob).to(tl.int32)
+    else:
+        offset = causal_offset
     if FOLD_PTR:  # each batch row folds its own new row (a decode batch's rows sit at each row's own length)
         fold_lo = tl.load(fold_ptr + b).to(tl.int32)
         fold_hi = fold_lo + 1
@@ -299,9 +301,10 @@ def weighted_decode_attention(
     ``[b, h_kv, n, d_v]`` cache.
 
     ``weights`` ``[b, h_kv, n]``; ``v_min`` / ``v_max`` ``[b, h_kv, d_v]``; ``key_mask`` ``[b, n]`` bool (False:
-    a key no query of that row sees); any strides, no copies. ``causal_offset``: an int, or a one-element int
-    tensor on the inputs' device that the kernel reads (no host sync; static caches). Inputs must already be
-    validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
+    a key no query of that row sees); any strides, no copies. ``causal_offset``: an int, or an int64 tensor on the
+    inputs' device that the kernel reads (no host sync): one element (static caches), or ``[b]``, one per batch row
+    (a decode batch's rows of different lengths: no program reads a key past its own row's offset + m - 1). Inputs
+    must already be validated (``kvcompress.weighted_attention(..., backend="triton")`` does that) and pass
     ``unsupported_reason`` (``check=False`` skips that test and ``fold_from``'s: callers that already made them).
     ``num_splits`` /
     ``block_n`` (keys per tile) / ``block_r`` (rows per program; powers of two >= 16) / ``num_warps`` (stage 1's:
@@ -358,7 +361,7 @@ def weighted_decode_attention(
         heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
         scaling * LOG2E, fold_lo, fold_hi,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
-        *mask_t.stride(),
+        *mask_t.stride(), offset_t.stride(0) if offset_t.shape[0] > 1 else 0,
     )  # fmt: skip
     launch(_weighted_split_kernel, plan.grid, split_args, split_options, cached=CACHED_LAUNCH)
     if not final and not fused:

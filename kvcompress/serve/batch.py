@@ -4,8 +4,10 @@ Layout, per model layer: buffers ``keys [B, h_kv, C, d]``, ``values [B, h_kv, C,
 (float32) and the clip range ``v_min / v_max [B, h_kv, d_v]``. Batch row ``b`` holds session ``b``'s rows
 contiguously from row 0: its context (compressed rows with their Nystrom weights, or exact rows with weight 1), its
 question, then every generated token (weight 1); rows from ``lengths[b]`` on are unused (zero keys and values,
-weight 1, so a step writes no weight) and masked by ``key_mask``. So sessions of different compressed lengths and
-different numbers of generated tokens share one rectangular batch, and a row sees exactly the rows it sees alone:
+weight 1, so a step writes no weight) and masked by ``key_mask`` (on CUDA bounded instead by each row's causal
+offset, so the kernel does not even read them: :attr:`BatchLayer.row_offsets`). So sessions of different
+compressed lengths and different numbers of generated tokens share one rectangular batch, and a row sees exactly the
+rows it sees alone:
 weighted attention (Alg. 3 of WildCat) with a masked key is the same sum without that key. A sliding-window layer
 holds a session's last tokens in order, one row each, so its mask also hides the rows more than ``window - 1``
 before the new one.
@@ -123,6 +125,14 @@ class BatchLayer(DynamicLayer):
         self.value_min, self.value_max = v_min, v_max
         self.counts, self.window = counts, window
         self.is_initialized = True
+        self._offsets_on_device = keys.is_cuda
+
+    @property
+    def row_offsets(self) -> torch.Tensor | None:
+        """On CUDA, each batch row's causal offset (``[B]`` int64, the index of its new row, read by the Triton
+        kernel, which then reads no key past a row's own rows, however long the longest row); None elsewhere, where
+        the PyTorch path masks with the step's one shared mask (fewer operators than each row's causal bound)."""
+        return self.counts.tensor if self._offsets_on_device else None
 
     @property
     def lengths(self) -> list[int]:
@@ -145,11 +155,12 @@ class BatchLayer(DynamicLayer):
         return keys, values
 
     def key_mask(self, rows: int, attention_mask=None) -> torch.Tensor | None:
-        """``[B, rows]`` bool: each batch row's own rows (None when every row is that long); on a sliding-window
-        layer, only the last ``window`` of them (the new token's own window)."""
+        """``[B, rows]`` bool: each batch row's own rows (None when every row is that long, or on CUDA, where
+        :attr:`row_offsets` bound them); on a sliding-window layer, only the last ``window`` of them (the new token's
+        own window)."""
         if self.window is not None and max(self.counts.host) + 1 > self.window:
             return self.counts.windowed(self.window)
-        return self.counts.mask
+        return None if self._offsets_on_device else self.counts.mask
 
     def weights_for(self, rows: int) -> torch.Tensor:
         return self.weights[:, :, :rows]
