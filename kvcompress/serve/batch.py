@@ -7,10 +7,9 @@ question, then every generated token (weight 1); rows from ``lengths[b]`` on are
 weight 1, so a step writes no weight) and masked by ``key_mask`` (on CUDA bounded instead by each row's causal
 offset, so the kernel does not even read them: :attr:`BatchLayer.row_offsets`). So sessions of different
 compressed lengths and different numbers of generated tokens share one rectangular batch, and a row sees exactly the
-rows it sees alone:
-weighted attention (Alg. 3 of WildCat) with a masked key is the same sum without that key. A sliding-window layer
-holds a session's last tokens in order, one row each, so its mask also hides the rows more than ``window - 1``
-before the new one.
+rows it sees alone: weighted attention (Alg. 3 of WildCat) with a masked key is the same sum without that key. A
+sliding-window layer holds a session's last tokens in order, one row each, so its mask also hides the rows more than
+``window - 1`` before the new one.
 
 Positions are per row: a compressed context of ``n`` tokens holds ``r < n`` rows, so the token position that RoPE
 needs (``n + question + generated``) is not the row index; the step passes explicit ``position_ids [B, 1]`` and a
