@@ -120,6 +120,53 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(per_row):
     assert [members[s][2] for s in range(3)] == [4, steps, steps]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel with per-row offsets runs on CUDA")
+@torch.no_grad()
+def test_decode_batch_on_a_gpu_equals_each_session_alone():
+    """On CUDA the batch's rows reach the compiled kernel as per-row causal offsets (no mask) and per-row folds:
+    three sessions of 3-5x different lengths give each session the logits it gets alone for 8 steps. float32; the
+    two runs' kernels split the keys differently (another float32 summation order, relative error about 1e-6 a
+    layer), so 1e-4, far below what a row reading another's rows or missing its own does (O(1e-2))."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, decode_step, session_rows
+    from kvcompress.serve.store import answer_view
+
+    device = torch.device("cuda")
+    model = tiny_model("llama", dtype=torch.float32, seed=6).to(device)
+    use_weighted_attention(model)
+    press = make_press("compresskv", 0.5, 0)
+    g = torch.Generator().manual_seed(9)
+    steps, sources, tokens, positions, alone = 8, [], [], [], []
+    for n_ctx in (900, 250, 400):
+        ctx = torch.randint(0, 256, (1, n_ctx), generator=g).to(device)
+        question = torch.randint(0, 256, (1, 4), generator=g).to(device)
+        cache = DynamicCache()
+        with press(model):
+            model.model(input_ids=ctx, past_key_values=cache)
+        view = answer_view(cache)
+        out = model(input_ids=question, past_key_values=view, logits_to_keep=1,
+                    position_ids=torch.arange(n_ctx, n_ctx + 4, device=device)[None])  # fmt: skip
+        sources.append(session_rows(view))
+        tokens.append(int(out.logits[0, -1].argmax()))
+        positions.append(n_ctx + 4)
+        own, token = [], tokens[-1]
+        for step in range(steps):
+            logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=view,
+                           position_ids=torch.tensor([[n_ctx + 4 + step]], device=device)).logits[0, -1]  # fmt: skip
+            own.append(logits)
+            token = int(logits.argmax())
+        alone.append(own)
+    batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1)
+    assert all(layer.row_offsets is not None and layer.key_mask(0) is None for layer in batch.layers)
+    for step in range(steps):
+        logits = decode_step(model, batch, tokens, positions)
+        for b in range(3):
+            torch.testing.assert_close(logits[b], alone[b][step], rtol=1e-4, atol=1e-4)
+        tokens = [int(alone[b][step].argmax()) for b in range(3)]
+        positions = [p + 1 for p in positions]
+
+
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared-mask", "per-row-offsets"])
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])  # sliding, full, sliding; every layer sliding
 @torch.no_grad()
