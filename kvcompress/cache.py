@@ -60,7 +60,7 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
     """
 
     is_sliding = False
-    row_offsets = None  # per-row causal offsets (a decode batch's, kvcompress.serve.batch): the new rows see all
+    row_offsets = None  # no per-row causal offsets (a decode batch has them): the new rows see every row before them
 
     def __init__(
         self,
