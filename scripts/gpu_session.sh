@@ -27,6 +27,9 @@
 #                   with both; DECODE_LAYERS of the model's 28 layers, default 4: inductor compiles three graphs per
 #                   batch size; DECODE_CONTEXTS and DECODE_BATCHES, default "32768" and "1 8", set which
 #                   decode_CONTEXT_bBATCH steps run)
+#   decode_batch    the server's decode step, 8 sessions (16k rows and seven of 2k), each batch row bounded by its
+#                   causal offset against the shared mask it ran with before the twenty-fifth session
+#                   (`eval.probe_decode_batch`, DECODE_LAYERS layers)
 #   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
 #                   ran while the main stream was busy too (`eval.probe_overlap`)
 #   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
@@ -57,7 +60,7 @@ SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_overlap balanced balanc
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
-STEPS=${STEPS:-kernel_tests prefill_32768 $decode_steps overlap bench_fit_known bench_fit prefill_65536 \
+STEPS=${STEPS:-kernel_tests prefill_32768 $decode_steps decode_batch overlap bench_fit_known bench_fit prefill_65536 \
 decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
@@ -121,6 +124,9 @@ for context in $DECODE_CONTEXTS; do
         grep -A30 "greedy decode step" "$OUT/decode_${context}_b$batch.log" 2>/dev/null
     done
 done
+
+step decode_batch 60 $PY -m eval.probe_decode_batch --layers "$DECODE_LAYERS" --output "$OUT/decode_batch.json"
+tail -12 "$OUT/decode_batch.log" 2>/dev/null
 
 step overlap 90 $PY -m eval.probe_overlap --output "$OUT/overlap.json"
 tail -16 "$OUT/overlap.log" 2>/dev/null

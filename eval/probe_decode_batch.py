@@ -1,0 +1,123 @@
+"""The server's decode step with each batch row bounded by its own causal offset, against the shared key mask it ran
+with before (docs/BENCHMARKS.md, serving, "Each batch row reads its own rows only"):
+``python -m eval.probe_decode_batch [--rows 16384 2048 ...] [--layers 4] [--steps 16] [--output F]``.
+
+A random-weight Qwen2.5-7B-shaped model (``eval.speed``'s config, ``--layers`` of its 28 layers, bf16 on CUDA) and
+two identical decode batches (``kvcompress.serve.batch.build``) of synthetic sessions, one per ``--rows`` entry
+(random keys and values, weight 1, no clip range). One batch's layers give the attention each row's causal offset
+(what CUDA runs since the twenty-fifth session), the other's the step's shared mask (what it ran before; the
+rows past each session's length are then read and masked). Both take the same tokens, in alternating rounds of
+``--steps`` decode steps after ``--warmup``; each step is timed with CUDA events (wall time on CPU). Reported: the
+median step of each, their ratio, and the largest logit difference between them (the same sums but for rounding).
+``--smoke``: a tiny model on CPU, to check the script (not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from eval.speed.config import QWEN25_7B, SMOKE_MODEL
+from kvcompress.hf_attention import use_weighted_attention
+from kvcompress.serve.batch import RowSource, build, decode_step
+
+
+def synthetic_sessions(model, rows: list[int], dtype: torch.dtype, device: torch.device) -> list[list[RowSource]]:
+    """One session per entry of ``rows``: per layer, random keys and values of that many rows, weight 1."""
+    config = model.config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    gen = torch.Generator(device=device).manual_seed(0)
+    sessions = []
+    for n in rows:
+        layers = []
+        for _ in range(config.num_hidden_layers):
+            keys = torch.randn(1, heads, n, dim, generator=gen, device=device, dtype=dtype)
+            values = torch.randn(1, heads, n, dim, generator=gen, device=device, dtype=dtype)
+            bound = torch.full((1, heads, dim), math.inf, device=device)
+            layers.append(RowSource(keys, values, torch.ones(1, heads, n, device=device), -bound, bound))
+        sessions.append(layers)
+    return sessions
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.probe_decode_batch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[16384] + [2048] * 7, help="rows held per session")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the 28 (default 4)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per variant and round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of --steps steps each")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--output", help="JSON file for the numbers")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
+    args = p.parse_args(argv)
+    if min(args.rows) < 1 or min(args.layers, args.steps, args.rounds) < 1 or args.warmup < 0:
+        p.error("--rows, --layers, --steps and --rounds must be >= 1, --warmup >= 0")
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    shape = dict(SMOKE_MODEL if args.smoke else QWEN25_7B, num_hidden_layers=args.layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype).eval()
+    use_weighted_attention(model)
+    sessions = synthetic_sessions(model, args.rows, dtype, device)
+    steps = args.warmup + args.rounds * args.steps
+    capacity = max(args.rows) + steps + 1
+    batches = {name: build(None, [], sessions, capacity) for name in ("per-row offsets", "shared mask")}
+    for layer in batches["per-row offsets"].layers:
+        layer._offsets_on_device = True  # as on CUDA, also on the smoke run's CPU
+    for layer in batches["shared mask"].layers:
+        layer._offsets_on_device = False  # as before the twenty-fifth session
+    gen = torch.Generator().manual_seed(1)
+    times: dict[str, list[float]] = {name: [] for name in batches}
+    largest = 0.0
+
+    def step(name: str, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = decode_step(model, batches[name], tokens, positions)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            logits = decode_step(model, batches[name], tokens, positions)
+            times[name].append((time.perf_counter() - began) * 1e3)
+        return logits
+
+    with torch.no_grad():
+        for index in range(steps):
+            tokens = torch.randint(0, shape["vocab_size"], (len(args.rows),), generator=gen).tolist()
+            positions = [n + 100 + index for n in args.rows]
+            order = list(batches) if (index // args.steps) % 2 == 0 else list(reversed(batches))
+            logits = {name: step(name, tokens, positions) for name in order}
+            difference = logits["per-row offsets"].float() - logits["shared mask"].float()
+            largest = max(largest, difference.abs().max().item())
+            if index < args.warmup:
+                for name in batches:
+                    times[name].pop()
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: not a measurement)",
+        "rows": args.rows,
+        "layers": args.layers,
+        "steps_timed": len(times["shared mask"]),
+        "median_step_ms": medians,
+        "per_row_over_shared": medians["per-row offsets"] / medians["shared mask"],
+        "largest_logit_difference": largest,
+    }
+    print(json.dumps(result, indent=1))
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

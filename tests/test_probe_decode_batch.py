@@ -1,0 +1,29 @@
+"""eval.probe_decode_batch (the server's decode step with per-row causal offsets against the shared mask, for a GPU
+call): its smoke run on CPU gives both variants' steps and the same logits, and its flags are checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval import probe_decode_batch
+
+
+def test_smoke_run_times_both_variants_and_their_logits_agree(tmp_path):
+    out = tmp_path / "batch.json"
+    assert probe_decode_batch.main(["--smoke", "--rows", "200", "30", "70", "--layers", "2", "--steps", "2",
+                                    "--rounds", "2", "--warmup", "1", "--output", str(out)]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["rows"] == [200, 30, 70] and result["steps_timed"] == 4
+    assert set(result["median_step_ms"]) == {"per-row offsets", "shared mask"}
+    assert all(ms > 0 for ms in result["median_step_ms"].values())
+    # The PyTorch path masks both ways with the same -inf logits: the same sums bit for bit.
+    assert result["largest_logit_difference"] == 0.0
+
+
+@pytest.mark.parametrize("flags", [["--rows", "0"], ["--steps", "0"], ["--warmup", "-1"]])
+def test_bad_flags_are_one_error(flags, capsys):
+    with pytest.raises(SystemExit) as stop:
+        probe_decode_batch.main(["--smoke", *flags])
+    assert stop.value.code == 2 and "must be >= 1" in capsys.readouterr().err
