@@ -22,8 +22,8 @@ def _sessions(model, press, specs, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for n_ctx, n_q, compressed in specs:
-        ctx = torch.randint(0, model.config.vocab_size, (1, n_ctx), generator=g)
-        question = torch.randint(0, model.config.vocab_size, (1, n_q), generator=g)
+        ctx = torch.randint(0, model.config.vocab_size, (1, n_ctx), generator=g).to(model.device)
+        question = torch.randint(0, model.config.vocab_size, (1, n_q), generator=g).to(model.device)
         cache = DynamicCache()
         if compressed:
             with press(model):
@@ -40,14 +40,45 @@ def _alone(model, ctx, question, cache, steps):
 
     cache = answer_view(cache)
     n, m = ctx.shape[1], question.shape[1]
-    out = model(input_ids=question, past_key_values=cache, position_ids=torch.arange(n, n + m)[None],
-                logits_to_keep=1)
+    out = model(input_ids=question, past_key_values=cache,
+                position_ids=torch.arange(n, n + m, device=question.device)[None], logits_to_keep=1)
     logits = [out.logits[0, -1]]
     for step in range(steps):
         token = logits[-1].argmax().view(1, 1)
-        out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[n + m + step]]))
+        out = model(input_ids=token, past_key_values=cache,
+                    position_ids=torch.tensor([[n + m + step]], device=question.device))
         logits.append(out.logits[0, -1])
     return logits
+
+
+def _opened(model, sessions):
+    """Each session's question prefilled on a view of its cache, as the server opens it: (per session its rows
+    for the batch, its first token, the position of that token)."""
+    from kvcompress.serve.batch import session_rows
+    from kvcompress.serve.store import answer_view
+
+    sources, tokens, positions = [], [], []
+    for ctx, question, cache in sessions:
+        view = answer_view(cache)
+        n, m = ctx.shape[1], question.shape[1]
+        out = model(input_ids=question, past_key_values=view,
+                    position_ids=torch.arange(n, n + m, device=question.device)[None], logits_to_keep=1)
+        sources.append(session_rows(view))
+        tokens.append(int(out.logits[0, -1].argmax()))
+        positions.append(n + m)
+    return sources, tokens, positions
+
+
+def _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol, atol):
+    """``steps`` decode steps of ``batch``: each session's logits those ``alone`` (:func:`_alone`) gives it."""
+    from kvcompress.serve.batch import decode_step
+
+    for step in range(steps):
+        logits = decode_step(model, batch, tokens, positions)
+        for b in range(len(tokens)):
+            torch.testing.assert_close(logits[b], alone[b][step + 1], rtol=rtol, atol=atol)
+        tokens = [int(alone[b][step + 1].argmax()) for b in range(len(tokens))]
+        positions = [p + 1 for p in positions]
 
 
 def _as_on_cuda(batch, per_row: bool):
@@ -129,42 +160,18 @@ def test_decode_batch_on_a_gpu_equals_each_session_alone():
     layer), so 1e-4, far below what a row reading another's rows or missing its own does (O(1e-2))."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, decode_step, session_rows
-    from kvcompress.serve.store import answer_view
+    from kvcompress.serve.batch import build
 
-    device = torch.device("cuda")
-    model = tiny_model("llama", dtype=torch.float32, seed=6).to(device)
+    model = tiny_model("llama", dtype=torch.float32, seed=6).to("cuda")
     use_weighted_attention(model)
-    press = make_press("compresskv", 0.5, 0)
-    g = torch.Generator().manual_seed(9)
-    steps, sources, tokens, positions, alone = 8, [], [], [], []
-    for n_ctx in (900, 250, 400):
-        ctx = torch.randint(0, 256, (1, n_ctx), generator=g).to(device)
-        question = torch.randint(0, 256, (1, 4), generator=g).to(device)
-        cache = DynamicCache()
-        with press(model):
-            model.model(input_ids=ctx, past_key_values=cache)
-        view = answer_view(cache)
-        out = model(input_ids=question, past_key_values=view, logits_to_keep=1,
-                    position_ids=torch.arange(n_ctx, n_ctx + 4, device=device)[None])  # fmt: skip
-        sources.append(session_rows(view))
-        tokens.append(int(out.logits[0, -1].argmax()))
-        positions.append(n_ctx + 4)
-        own, token = [], tokens[-1]
-        for step in range(steps):
-            logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=view,
-                           position_ids=torch.tensor([[n_ctx + 4 + step]], device=device)).logits[0, -1]  # fmt: skip
-            own.append(logits)
-            token = int(logits.argmax())
-        alone.append(own)
+    specs = [(900, 4, True), (250, 4, True), (400, 4, True)]
+    sessions = _sessions(model, make_press("compresskv", 0.5, 0), specs, seed=9)
+    steps = 8
+    alone = [_alone(model, *session, steps) for session in sessions]
+    sources, tokens, positions = _opened(model, sessions)
     batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1)
     assert all(layer.row_offsets is not None and layer.key_mask(0) is None for layer in batch.layers)
-    for step in range(steps):
-        logits = decode_step(model, batch, tokens, positions)
-        for b in range(3):
-            torch.testing.assert_close(logits[b], alone[b][step], rtol=1e-4, atol=1e-4)
-        tokens = [int(alone[b][step].argmax()) for b in range(3)]
-        positions = [p + 1 for p in positions]
+    _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared-mask", "per-row-offsets"])
@@ -176,8 +183,7 @@ def test_decode_batch_keeps_each_sessions_sliding_window(family, per_row):
     logits off by 0.1-0.4 from the second step). float64; tolerance as in the test above."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, decode_step, session_rows
-    from kvcompress.serve.store import answer_view
+    from kvcompress.serve.batch import build
     from kvcompress.window import layer_windows
 
     model = tiny_model(family, dtype=torch.float64, sliding_window=8)
@@ -185,24 +191,11 @@ def test_decode_batch_keeps_each_sessions_sliding_window(family, per_row):
     sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(200, 5, True), (120, 3, True)], seed=4)
     steps = 12
     alone = [_alone(model, *s, steps) for s in sessions]
-    sources, tokens, positions = [], [], []
-    for ctx, question, cache in sessions:
-        view = answer_view(cache)
-        n, m = ctx.shape[1], question.shape[1]
-        out = model(input_ids=question, past_key_values=view, position_ids=torch.arange(n, n + m)[None],
-                    logits_to_keep=1)
-        sources.append(session_rows(view))
-        tokens.append(int(out.logits[0, -1].argmax()))
-        positions.append(n + m)
+    sources, tokens, positions = _opened(model, sessions)
     assert [source.window for source in sources[0]] == layer_windows(model)  # gemma3 [8, None, 8]; mistral [8, 8]
     batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1)
     _as_on_cuda(batch, per_row)
-    for step in range(steps):
-        logits = decode_step(model, batch, tokens, positions)
-        for b in range(2):
-            torch.testing.assert_close(logits[b], alone[b][step + 1], rtol=0, atol=1e-9)
-        tokens = [int(alone[b][step + 1].argmax()) for b in range(2)]
-        positions = [p + 1 for p in positions]
+    _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=0, atol=1e-9)
 
 
 @torch.no_grad()
