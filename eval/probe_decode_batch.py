@@ -18,10 +18,10 @@ import argparse
 import json
 import math
 import statistics
-import time
 
 import torch
 
+from eval.speed.clock import Clock
 from eval.speed.config import QWEN25_7B, SMOKE_MODEL
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.serve.batch import RowSource, build, decode_step
@@ -77,18 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in batches}
     largest = 0.0
 
+    clock = Clock(device)  # CUDA events on CUDA, the wall clock elsewhere
+
     def step(name: str, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            logits = decode_step(model, batches[name], tokens, positions)
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            logits = decode_step(model, batches[name], tokens, positions)
-            times[name].append((time.perf_counter() - began) * 1e3)
+        start = clock.mark()
+        logits = decode_step(model, batches[name], tokens, positions)
+        times[name].append(clock.intervals([start, clock.mark()])[0] * 1e3)
         return logits
 
     with torch.no_grad():
