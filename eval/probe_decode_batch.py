@@ -1,6 +1,7 @@
 """The server's decode step with each batch row bounded by its own causal offset, against the shared key mask it ran
-with before (docs/BENCHMARKS.md, serving, "Each batch row reads its own rows only"):
-``python -m eval.probe_decode_batch [--rows 16384 2048 ...] [--layers 4] [--steps 16] [--output F]``.
+with before, and compiled (``--compile-decode``) (docs/BENCHMARKS.md, serving, "Each batch row reads its own rows
+only", "Compiled decode steps"): ``python -m eval.probe_decode_batch [--rows 16384 2048 ...] [--layers 4] [--steps 16]
+[--compile cudagraphs inductor] [--output F]``.
 
 A random-weight Qwen2.5-7B-shaped model (``eval.speed``'s config, ``--layers`` of its 28 layers, bf16 on CUDA) and
 two identical decode batches (``kvcompress.serve.batch.build``) of synthetic sessions, one per ``--rows`` entry
@@ -9,7 +10,10 @@ two identical decode batches (``kvcompress.serve.batch.build``) of synthetic ses
 rows past each session's length are then read and masked). Both take the same tokens, in alternating rounds of
 ``--steps`` decode steps after ``--warmup``; each step is timed with CUDA events (wall time on CPU). Reported: the
 median step of each, their ratio, and the largest logit difference between them (the same sums but for rounding).
-``--smoke``: a tiny model on CPU, to check the script (not a measurement).
+Each ``--compile`` backend adds a third kind of batch: static (the whole capacity attended, visibility on the
+device) and stepped by ``kvcompress.serve.batch.compiled_forward`` (on CUDA ``inductor`` runs CUDA graphs): its
+median step and its largest logit difference from the per-row batch (the first ``--warmup`` steps compile).
+``--smoke``: a tiny model on CPU, to check the script (not a measurement; ``--compile eager`` there).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from eval.speed.clock import Clock
 from eval.speed.config import QWEN25_7B, SMOKE_MODEL
 from kvcompress.hf_attention import use_weighted_attention
-from kvcompress.serve.batch import RowSource, build, decode_step
+from kvcompress.serve.batch import COMPILE_BACKENDS, RowSource, build, compiled_forward, decode_step
 
 
 def synthetic_sessions(model, rows: list[int], dtype: torch.dtype, device: torch.device) -> list[list[RowSource]]:
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of --steps steps each")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile", nargs="*", choices=COMPILE_BACKENDS[1:], default=None,
+                   help="compiled variants (default: cudagraphs and inductor on CUDA, eager on CPU; none: omit)")
     p.add_argument("--output", help="JSON file for the numbers")
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
@@ -68,20 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     sessions = synthetic_sessions(model, args.rows, dtype, device)
     steps = args.warmup + args.rounds * args.steps
     capacity = max(args.rows) + steps + 1
+    backends = args.compile if args.compile is not None else (["cudagraphs", "inductor"] if cuda else ["eager"])
     batches = {name: build(None, [], sessions, capacity) for name in ("per-row offsets", "shared mask")}
+    forwards = {f"compiled {b}": compiled_forward(model, b) for b in backends}
+    batches.update({name: build(None, [], sessions, capacity, static=True) for name in forwards})
     for layer in batches["per-row offsets"].layers:
         layer._offsets_on_device = True  # as on CUDA, also on the smoke run's CPU
     for layer in batches["shared mask"].layers:
         layer._offsets_on_device = False  # as before the twenty-fifth session
     gen = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {name: [] for name in batches}
-    largest = 0.0
+    largest = {name: 0.0 for name in batches}  # against the per-row batch
 
     clock = Clock(device)  # CUDA events on CUDA, the wall clock elsewhere
 
     def step(name: str, tokens: list[int], positions: list[int]) -> torch.Tensor:
         start = clock.mark()
-        logits = decode_step(model, batches[name], tokens, positions)
+        logits = decode_step(model, batches[name], tokens, positions, forwards.get(name))
         times[name].append(clock.intervals([start, clock.mark()])[0] * 1e3)
         return logits
 
@@ -91,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             positions = [n + 100 + index for n in args.rows]
             order = list(batches) if (index // args.steps) % 2 == 0 else list(reversed(batches))
             logits = {name: step(name, tokens, positions) for name in order}
-            difference = logits["per-row offsets"].float() - logits["shared mask"].float()
-            largest = max(largest, difference.abs().max().item())
+            for name in batches:
+                difference = (logits[name].float() - logits["per-row offsets"].float()).abs().max().item()
+                largest[name] = max(largest[name], difference)
             if index < args.warmup:
                 for name in batches:
                     times[name].pop()
@@ -104,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps_timed": len(times["shared mask"]),
         "median_step_ms": medians,
         "per_row_over_shared": medians["per-row offsets"] / medians["shared mask"],
-        "largest_logit_difference": largest,
+        "over_per_row": {name: value / medians["per-row offsets"] for name, value in medians.items()},
+        "largest_logit_difference": largest["shared mask"],
+        "largest_logit_difference_from_per_row": largest,
     }
     print(json.dumps(result, indent=1))
     if args.output:

@@ -28,8 +28,9 @@
 #                   batch size; DECODE_CONTEXTS and DECODE_BATCHES, default "32768" and "1 8", set which
 #                   decode_CONTEXT_bBATCH steps run)
 #   decode_batch    the server's decode step, 8 sessions (16k rows and seven of 2k), each batch row bounded by its
-#                   causal offset against the shared mask it ran with before the twenty-fifth session
-#                   (`eval.probe_decode_batch`, DECODE_LAYERS layers)
+#                   causal offset against the shared mask it ran with before the twenty-fifth session, and the
+#                   compiled step (`--compile-decode` cudagraphs and inductor, CUDA graphs; since the twenty-sixth
+#                   session; `eval.probe_decode_batch`, DECODE_LAYERS layers)
 #   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
 #                   ran while the main stream was busy too (`eval.probe_overlap`)
 #   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
@@ -125,8 +126,8 @@ for context in $DECODE_CONTEXTS; do
     done
 done
 
-step decode_batch 60 $PY -m eval.probe_decode_batch --layers "$DECODE_LAYERS" --output "$OUT/decode_batch.json"
-tail -12 "$OUT/decode_batch.log" 2>/dev/null
+step decode_batch 200 $PY -m eval.probe_decode_batch --layers "$DECODE_LAYERS" --output "$OUT/decode_batch.json"
+tail -40 "$OUT/decode_batch.log" 2>/dev/null
 
 step overlap 90 $PY -m eval.probe_overlap --output "$OUT/overlap.json"
 tail -16 "$OUT/overlap.log" 2>/dev/null

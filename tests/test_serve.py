@@ -96,6 +96,7 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--cache-memory", "nan"], "--cache-memory"),
         (["--threads", "-1"], "--threads: must be an integer >= 1"),  # a traceback from torch
         (["--threads", "0"], "--threads: must be an integer >= 1"),  # silently ignored
+        (["--device", "cpu", "--compile-decode", "cudagraphs"], "--compile-decode: cudagraphs needs a CUDA device"),
     ],
 )
 def test_cli_rejects_bad_flags_before_loading_the_model(argv, message, capsys):

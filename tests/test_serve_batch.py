@@ -69,12 +69,16 @@ def _opened(model, sessions):
     return sources, tokens, positions
 
 
-def _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol, atol):
-    """``steps`` decode steps of ``batch``: each session's logits those ``alone`` (:func:`_alone`) gives it."""
-    from kvcompress.serve.batch import decode_step
+def _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol, atol, forward=None, rebuild_at=None):
+    """``steps`` decode steps of ``batch`` (run by ``forward``, default the model): each session's logits those
+    ``alone`` (:func:`_alone`) gives it. ``rebuild_at``: before that step the batch is rebuilt with every session
+    (the same shapes in new buffers, as when a session joins and another leaves)."""
+    from kvcompress.serve.batch import build, decode_step
 
     for step in range(steps):
-        logits = decode_step(model, batch, tokens, positions)
+        if step == rebuild_at:
+            batch = build(batch, list(range(len(tokens))), [], batch.capacity, static=batch.layers[0].is_compileable)
+        logits = decode_step(model, batch, tokens, positions, forward)
         for b in range(len(tokens)):
             torch.testing.assert_close(logits[b], alone[b][step + 1], rtol=rtol, atol=atol)
         tokens = [int(alone[b][step + 1].argmax()) for b in range(len(tokens))]
@@ -90,18 +94,36 @@ def _as_on_cuda(batch, per_row: bool):
     return batch
 
 
-@pytest.mark.parametrize("per_row", [False, True], ids=["shared-mask", "per-row-offsets"])
+MODES = ["shared-mask", "per-row-offsets", "static", "compiled"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @torch.no_grad()
-def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(per_row):
+def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(mode):
     """Three sessions of different compressed lengths (and one never compressed), different question lengths and
     positions: each step of the batch gives each session the logits it gets alone, while one session joins late
     and one leaves early (the batch rebuilt around them). float64, so the batch's other reduction order (a GEMM
     over the batch instead of a GEMV per session) moves logits by ~1e-13; 1e-9 leaves room for that and nothing
-    a wrong position, mask or weight would give (those change logits by O(1e-2) or more on this model)."""
+    a wrong position, mask or weight would give (those change logits by O(1e-2) or more on this model).
+    ``static``: the batch attends its whole capacity with each row's new row as its causal offset (what compiled
+    steps run); ``compiled``: those steps under ``torch.compile(fullgraph=True)`` (dynamo's capture, run without
+    code generation), which must capture no step of a batch size it has seen (a rebuilt batch of the same shape
+    reuses the graph: its new buffers are inputs, not constants)."""
+    from torch._dynamo.testing import CompileCounter
+
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, decode_step, session_rows
+    from kvcompress.serve.batch import build as build_batch
+    from kvcompress.serve.batch import decode_step, session_rows
     from kvcompress.serve.store import answer_view
+
+    static, per_row = mode in ("static", "compiled"), mode == "per-row-offsets"
+    counter = CompileCounter()
+    forward = None
+    seen: set[int] = set()
+
+    def build(kept, keep, new, capacity):
+        return _as_on_cuda(build_batch(kept, keep, new, capacity, static=static), per_row)
 
     model = tiny_model("llama", dtype=torch.float64)
     press = make_press("compresskv_paper", 0.75, 0)
@@ -126,17 +148,23 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(per_row):
     capacity = max(rows) + 9 + steps + 1
     rows0, tok0, pos0 = opened(0)
     rows1, tok1, pos1 = opened(1)
-    batch = _as_on_cuda(build(None, [], [rows0, rows1], capacity), per_row)
+    if mode == "compiled":
+        forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+    batch = build(None, [], [rows0, rows1], capacity)
     members = {0: [tok0, pos0, 0], 1: [tok1, pos1, 0]}  # session -> [pending token, position, step]
     order = [0, 1]
     rnd = 0
     while order:
         if rnd == 2:  # session 2 joins while the others decode
             rows2, tok2, pos2 = opened(2)
-            batch = _as_on_cuda(build(batch, list(range(len(order))), [rows2], capacity), per_row)
+            batch = build(batch, list(range(len(order))), [rows2], capacity)
             order.append(2)
             members[2] = [tok2, pos2, 0]
-        logits = decode_step(model, batch, [members[s][0] for s in order], [members[s][1] for s in order])
+        frames = counter.frame_count
+        logits = decode_step(model, batch, [members[s][0] for s in order], [members[s][1] for s in order], forward)
+        if len(order) in seen:
+            assert counter.frame_count == frames, f"a step of batch size {len(order)} was captured again"
+        seen.add(len(order))
         for b, s in enumerate(order):
             state = members[s]
             state[2] += 1
@@ -145,22 +173,56 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(per_row):
         # session 0 leaves early, the others when done: the batch is rebuilt around the rest
         keep = [b for b, s in enumerate(order) if members[s][2] < steps and not (s == 0 and rnd == 3)]
         if len(keep) < len(order):
-            batch = _as_on_cuda(build(batch, keep, [], capacity), per_row)
+            batch = build(batch, keep, [], capacity)
             order = [order[b] for b in keep]
         rnd += 1
     assert [members[s][2] for s in range(3)] == [4, steps, steps]
+    assert seen == {1, 2, 3}
+    if mode == "compiled":
+        assert 1 <= counter.frame_count <= len(seen)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers beside full ones
+@torch.no_grad()
+def test_warm_up_compiles_the_graphs_every_later_batch_uses(family):
+    """The server compiles before its first request (``batch.warm_up``: static batches of one and of two synthetic
+    one-row sessions): later batches of real sessions, of one to three sessions and three capacities, are steps of
+    those two graphs, never captured again (a capture is seconds to minutes of a server's time)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, decode_step, warm_up
+
+    model = tiny_model(family, dtype=torch.float32, sliding_window=8)
+    use_weighted_attention(model)
+    press = make_press("compresskv", 0.5, 0)  # the server makes its press (kvpress imported) before it compiles
+    counter = CompileCounter()
+    forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+    warm_up(model, forward)
+    assert counter.frame_count == 2
+    sessions = _sessions(model, press, [(200, 5, True), (120, 3, True), (60, 2, False)], seed=4)
+    sources, tokens, positions = _opened(model, sessions)
+    for size, capacity in ((1, 150), (3, 130), (2, 170)):
+        batch = build(None, [], sources[:size], capacity, static=True)
+        for step in range(2):
+            decode_step(model, batch, tokens[:size], [p + step for p in positions[:size]], forward)
+    assert counter.frame_count == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel with per-row offsets runs on CUDA")
+@pytest.mark.parametrize("compile_decode", ["off", "inductor", "cudagraphs"])
 @torch.no_grad()
-def test_decode_batch_on_a_gpu_equals_each_session_alone():
+def test_decode_batch_on_a_gpu_equals_each_session_alone(compile_decode):
     """On CUDA the batch's rows reach the compiled kernel as per-row causal offsets (no mask) and per-row folds:
     three sessions of 3-5x different lengths give each session the logits it gets alone for 8 steps. float32; the
     two runs' kernels split the keys differently (another float32 summation order, relative error about 1e-6 a
-    layer), so 1e-4, far below what a row reading another's rows or missing its own does (O(1e-2))."""
+    layer), so 1e-4, far below what a row reading another's rows or missing its own does (O(1e-2)). Compiled
+    (CUDA graphs): the batch is rebuilt in new buffers halfway, so a graph replayed on the old buffers' addresses
+    (not re-recorded) would read the old rows."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build
+    from kvcompress.serve.batch import build, compiled_forward
 
     model = tiny_model("llama", dtype=torch.float32, seed=6).to("cuda")
     use_weighted_attention(model)
@@ -169,18 +231,46 @@ def test_decode_batch_on_a_gpu_equals_each_session_alone():
     steps = 8
     alone = [_alone(model, *session, steps) for session in sessions]
     sources, tokens, positions = _opened(model, sessions)
-    batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1)
-    assert all(layer.row_offsets is not None and layer.key_mask(0) is None for layer in batch.layers)
-    _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=1e-4, atol=1e-4)
+    forward = compiled_forward(model, compile_decode)
+    batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1,
+                  static=forward is not None)
+    if forward is None:
+        assert all(layer.row_offsets is not None and layer.key_mask(0) is None for layer in batch.layers)
+    _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=1e-4, atol=1e-4, forward=forward,
+                      rebuild_at=steps // 2)
 
 
-@pytest.mark.parametrize("per_row", [False, True], ids=["shared-mask", "per-row-offsets"])
+@pytest.mark.slow  # an inductor compile of the tiny model's step (~20-40 s on the shared CPU); CI runs it
+@torch.no_grad()
+def test_inductor_compiled_decode_batch_equals_each_session_alone():
+    """The server's ``--compile-decode inductor`` path on CPU: generated code for the static batch's step gives each
+    of three sessions the logits it gets alone, across a rebuild in new buffers. float64, but Llama's RMSNorm and
+    RoPE angles run in float32 whatever the dtype, and generated code sums and fuses them in another order (ulps of
+    6e-8 relative): logits move by ~5e-8, so 1e-6, still far below a wrong row, mask or range (O(1e-2))."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, compiled_forward
+
+    model = tiny_model("llama", dtype=torch.float64, seed=6)
+    use_weighted_attention(model)
+    sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(300, 4, True), (120, 3, True), (60, 2, False)],
+                         seed=9)
+    steps = 6
+    alone = [_alone(model, *session, steps) for session in sessions]
+    sources, tokens, positions = _opened(model, sessions)
+    batch = build(None, [], sources, 200, static=True)
+    _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=0, atol=1e-6,
+                      forward=compiled_forward(model, "inductor"), rebuild_at=steps // 2)
+
+
+@pytest.mark.parametrize("mode", MODES[:3])
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])  # sliding, full, sliding; every layer sliding
 @torch.no_grad()
-def test_decode_batch_keeps_each_sessions_sliding_window(family, per_row):
+def test_decode_batch_keeps_each_sessions_sliding_window(family, mode):
     """On sliding-window layers each session's new token sees only its own window, as alone: 12 steps past a
     window of 8, two sessions of different lengths in one batch (the batch attended over every row it held:
-    logits off by 0.1-0.4 from the second step). float64; tolerance as in the test above."""
+    logits off by 0.1-0.4 from the second step). float64; tolerance as in the test above. ``static``: the whole
+    capacity attended, each row's window cut from it on the device."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
     from kvcompress.serve.batch import build
@@ -193,15 +283,18 @@ def test_decode_batch_keeps_each_sessions_sliding_window(family, per_row):
     alone = [_alone(model, *s, steps) for s in sessions]
     sources, tokens, positions = _opened(model, sessions)
     assert [source.window for source in sources[0]] == layer_windows(model)  # gemma3 [8, None, 8]; mistral [8, 8]
-    batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1)
-    _as_on_cuda(batch, per_row)
+    batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1,
+                  static=mode == "static")
+    _as_on_cuda(batch, mode == "per-row-offsets")
     _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @torch.no_grad()
-def test_decode_batch_rows_are_masked_not_read():
+def test_decode_batch_rows_are_masked_not_read(static):
     """A batch row never reads another row's or its own unused rows: filling them with garbage (large keys and
-    values beyond each row's length) changes no bit of the logits (a masked row adds exactly 0)."""
+    values beyond each row's length) changes no bit of the logits (a masked row adds exactly 0). A static batch
+    attends its whole capacity, so there every unused row is in the step's attention."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
     from kvcompress.serve.batch import build, decode_step, session_rows
@@ -212,8 +305,8 @@ def test_decode_batch_rows_are_masked_not_read():
     sessions = _sessions(model, press, [(280, 4, True), (360, 4, True)], seed=3)
     sources = [session_rows(c) for _, _, c in sessions]
     tokens, positions = [5, 7], [284, 364]
-    clean = decode_step(model, build(None, [], sources, 200), tokens, positions)
-    dirty = build(None, [], sources, 200)
+    clean = decode_step(model, build(None, [], sources, 200, static=static), tokens, positions)
+    dirty = build(None, [], sources, 200, static=static)
     for layer in dirty.layers:
         for b, n in enumerate(layer.lengths):
             layer.keys[b, :, n:] = 1e3 * torch.randn_like(layer.keys[b, :, n:])
@@ -221,6 +314,35 @@ def test_decode_batch_rows_are_masked_not_read():
     poisoned = decode_step(model, dirty, tokens, positions)
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_static_batch_folds_each_rows_new_value_into_its_clip_range():
+    """A static batch widens each layer's clip range by each row's new value before the attention (the eager batch
+    folds it inside the attention call): with every compressed layer's range first narrowed to a point, so that
+    every new value lies outside it, one step gives both batches the same ranges and the same logits."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, decode_step, session_rows
+
+    model = tiny_model("llama", dtype=torch.float64, seed=1)
+    press = make_press("compresskv_paper", 0.75, 0)
+    use_weighted_attention(model)
+    sessions = _sessions(model, press, [(280, 4, True), (360, 4, True)], seed=4)
+    sources = [session_rows(c) for _, _, c in sessions]
+    batches = [build(None, [], sources, 200, static=static) for static in (False, True)]
+    narrowed = []
+    for batch in batches:
+        for layer in batch.layers:
+            middle = (layer.value_min + layer.value_max) / 2
+            layer.value_min.copy_(middle)
+            layer.value_max.copy_(middle)
+        narrowed.append([layer.value_min.clone() for layer in batch.layers])
+    eager, static = (decode_step(model, batch, [5, 7], [284, 364]) for batch in batches)
+    torch.testing.assert_close(static, eager, rtol=0, atol=1e-9)
+    for before, layer, other in zip(narrowed[1], batches[1].layers, batches[0].layers, strict=True):
+        assert (layer.value_min < before).any()  # the fold happened
+        assert torch.equal(layer.value_min, other.value_min) and torch.equal(layer.value_max, other.value_max)
 
 
 @torch.no_grad()
@@ -350,6 +472,29 @@ def _assert_prefill_budget_held(log: str, ratio: float) -> None:
             checked += 1
         owed = float(next_after)
     assert checked >= 1  # some prefills did wait for the batch
+
+
+@pytest.mark.slow
+def test_compiled_decode_server_gives_the_eager_servers_answers(batch_server, tmp_path):
+    """``--compile-decode eager``: the server's steps run dynamo's capture of a static batch (each step attends the
+    whole capacity, visibility and clip ranges on the device), warmed up before the first request. Four concurrent
+    requests with different max_tokens and stops get exactly the answers the eager batch server gives them, and at
+    least one step decoded two sessions or more (the graph whose batch size is symbolic)."""
+    from tests.test_serve import contexts, metric
+
+    eager_base, _ = batch_server
+    docs = contexts(4, tokens=300)
+    max_tokens, stops = [16, 20, 24, 12], [None, ["."], None, [","]]
+    log_path = tmp_path / "server.log"
+    with running_server(["--method", "compresskv_paper", "--max-batch", "4", "--compile-decode", "eager",
+                         "--log-level", "info"], log_path) as base:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_ask, base, docs[i], QUESTIONS[i], max_tokens[i], stops[i]) for i in range(4)]
+            compiled = [f.result() for f in futures]
+        single = metric(base, "kvcompress_batch_size_bucket", '{le="1.0"}')
+        assert metric(base, "kvcompress_batch_size_count") > single
+    assert "compiled decode warmed up" in log_path.read_text()
+    assert compiled == [_ask(eager_base, docs[i], QUESTIONS[i], max_tokens[i], stops[i]) for i in range(4)]
 
 
 @pytest.mark.slow
@@ -555,7 +700,7 @@ def test_admission_names_what_to_change_when_a_request_cannot_fit():
     from kvcompress.serve.scheduler import Scheduler
 
     engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
-                             batch_row_bytes=100, batch_session_bytes=10)  # fmt: skip
+                             batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
     try:
         huge = Job(list(range(4004)), [1, 2], max_tokens=1)  # 1001 rows once compressed: 100,100 bytes
@@ -586,7 +731,7 @@ def test_a_requests_choices_are_queued_all_or_none():
     from kvcompress.serve.scheduler import Scheduler
 
     engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
-                             batch_row_bytes=100, batch_session_bytes=10)  # fmt: skip
+                             batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=2)
     try:
         jobs = [Job(list(range(400)), [1, 2], max_tokens=5, index=i) for i in range(3)]

@@ -20,9 +20,10 @@ A step appends one row per session in place (``index_put`` at each row's own len
 host and on the device, advanced once per step: the step's only host-to-device copy is made before its first kernel
 (a blocking copy in each layer would wait for the layers queued before it). The capacity ``C`` is reserved up front
 for every session's whole answer (question + ``max_tokens``), so a step never reallocates; the batch is rebuilt
-only when a session joins or leaves. A static cache for compiled decoding fits the same contract: fixed
-``[B_bucket, h, C, d]`` buffers, a lengths tensor, the write at ``lengths`` and the mask ``arange(C) < lengths + 1``;
-only :class:`BatchLayer` changes.
+only when a session joins or leaves. Built ``static`` (for :func:`compiled_forward`'s compiled steps), a batch
+attends its whole capacity every step, each row bounded by its own length on the device (mask, causal offset and
+clip-range fold: :meth:`BatchLayer.attention_inputs`), so no step changes a shape or a Python value the graph reads:
+one graph serves every step, and with the batch and capacity sizes symbolic, every later batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcompress.cache import WeightedLayer, tag_layer
@@ -79,8 +81,10 @@ class RowCounts:
     to the device itself would wait, at each layer, for every kernel queued before it (a blocking host-to-device
     copy): the host could no longer run ahead of the GPU."""
 
-    def __init__(self, lengths: list[int], device: torch.device):
+    def __init__(self, lengths: list[int], device: torch.device, capacity: int | None = None):
         self.host = list(lengths)
+        self.capacity = capacity  # static batches: every step attends the whole capacity (one shape for every step)
+        self.static = capacity is not None  # what compiled code reads (the capacity itself would be compiled in)
         self.tensor = torch.tensor(lengths, device=device)  # [B] int64, copied once per batch build
         self.batch_index = torch.arange(len(lengths), device=device)
         self.width = 0  # rows attended in the open step (0: no step open)
@@ -89,16 +93,18 @@ class RowCounts:
         self._windowed: dict[int, torch.Tensor] = {}  # window -> ``visible`` cut to it (sliding-window layers)
 
     def begin_step(self) -> None:
-        self.width = max(self.host) + 1
+        self.width = max(self.host) + 1 if self.capacity is None else self.capacity
         self.visible = torch.arange(self.width, device=self.tensor.device) <= self.tensor[:, None]
         self.mask = self.visible if min(self.host) + 1 < self.width else None
+        if self.static:
+            _dynamic(self.visible, 0, 1)
         self._windowed = {}
 
     def windowed(self, window: int) -> torch.Tensor:
         """``[B, width]`` bool: the rows a sliding-window layer's new token sees in the open step, its own and the
         ``window - 1`` before it (such a layer holds each session's last tokens in order, one row per token)."""
         if window not in self._windowed:
-            rows = torch.arange(self.width, device=self.tensor.device)
+            rows = torch.arange(self.visible.shape[-1], device=self.tensor.device)  # a size, not an int: compiles
             self._windowed[window] = self.visible & (rows > self.tensor[:, None] - window)
         return self._windowed[window]
 
@@ -125,6 +131,18 @@ class BatchLayer(DynamicLayer):
         self.counts, self.window = counts, window
         self.is_initialized = True
         self._offsets_on_device = keys.is_cuda
+        if self.is_compileable:  # the attention finds the layer from its keys: the same buffer every step
+            tag_layer(self.keys, self)
+
+    @property
+    def is_compileable(self) -> bool:
+        """A static batch (:func:`build` with ``static=True``): every step attends the whole capacity, visibility and
+        the clip range on the device (:meth:`attention_inputs`), so one compiled graph serves every step."""
+        return self.counts.static
+
+    @property
+    def row_weights(self) -> torch.Tensor:
+        return self.weights
 
     @property
     def row_offsets(self) -> torch.Tensor | None:
@@ -141,17 +159,31 @@ class BatchLayer(DynamicLayer):
     def update(self, key_states, value_states, cache_kwargs=None):
         counts = self.counts
         batch, _, new, _ = key_states.shape
-        if new != 1 or batch != len(counts.host):
+        if new != 1 or batch != counts.tensor.shape[0]:  # not len(host): a compiled step would specialise on it
             raise ValueError(f"key_states: a decode step appends one row per session ([{len(counts.host)}, h, 1, d]), "
                              f"got {tuple(key_states.shape)}")
-        if not counts.width:
+        if counts.visible is None:
             raise RuntimeError("kvcompress: a decode batch advances one step at a time: run it through decode_step")
         where = counts.tensor
         self.keys[counts.batch_index, :, where] = key_states[:, :, 0]
         self.values[counts.batch_index, :, where] = value_states[:, :, 0]  # the clip range folds it in: clip_range
+        if self.is_compileable:
+            return self.keys, self.values
         keys, values = self.keys[:, :, : counts.width], self.values[:, :, : counts.width]
         tag_layer(keys, self)
         return keys, values
+
+    def attention_inputs(self, attention_mask=None) -> tuple[torch.Tensor, ...]:
+        """A static batch's ``(key_mask [B, C], causal_offset [B], v_min, v_max)`` for the custom attention op
+        (:mod:`kvcompress.ops`): each row's own rows (its sliding window's on such a layer) and its new row as its
+        causal offset; the clip range widened in place by each row's new value (folding a row twice changes
+        nothing, so a step run again after a failure needs no bookkeeping)."""
+        counts = self.counts
+        new = self.values[counts.batch_index, :, counts.tensor].to(self.value_min.dtype)  # [B, h, d_v]
+        self.value_min.copy_(torch.minimum(self.value_min, new))
+        self.value_max.copy_(torch.maximum(self.value_max, new))
+        key_mask = counts.visible if self.window is None else counts.windowed(self.window)
+        return key_mask, counts.tensor, self.value_min, self.value_max
 
     def key_mask(self, rows: int, attention_mask=None) -> torch.Tensor | None:
         """``[B, rows]`` bool: each batch row's own rows (None when every row is that long, or on CUDA, where
@@ -220,13 +252,17 @@ def batch_bytes(rows: int, capacity: int, per_row: int, per_session: int) -> int
     return rows * (capacity * per_row + per_session)
 
 
-def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]], capacity: int) -> DecodeBatch | None:
+def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]], capacity: int,
+          static: bool = False) -> DecodeBatch | None:
     """A new decode batch: rows ``keep`` of ``kept`` (in that order), then the sessions ``new`` (each one list of
-    :class:`RowSource` per layer), every row with room for ``capacity`` rows. None when no session is left."""
+    :class:`RowSource` per layer), every row with room for ``capacity`` rows. None when no session is left.
+    ``static``: every step attends the whole capacity (:attr:`BatchLayer.is_compileable`), for compiled steps."""
     if not keep and not new:
         return None
     layers: list[BatchLayer] = []
-    shared: dict[tuple[int, ...], RowCounts] = {}  # one RowCounts per distinct lengths
+    # One RowCounts per distinct lengths, and apart for sliding-window layers whatever their lengths: which layers
+    # share one is then the model's structure, not the sessions' (a compiled step's graph depends on it)
+    shared: dict[tuple, RowCounts] = {}
     index = None  # rows of ``kept`` to keep, on its device
     count = (len(kept.layers) if kept is not None else len(new[0]))
     for i in range(count):
@@ -260,18 +296,65 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
             keys[j, :, :n], values[j, :, :n], weights[j, :, :n] = src.keys[0], src.values[0], src.weights[0]
             v_min[j], v_max[j] = src.v_min[0], src.v_max[0]
             lengths.append(n)
-        counts = shared.get(tuple(lengths))
-        if counts is None:
-            counts = shared[tuple(lengths)] = RowCounts(lengths, keys.device)
         window = old.window if old is not None else ref.window
+        key = (tuple(lengths), window is None)
+        counts = shared.get(key)
+        if counts is None:
+            counts = shared[key] = RowCounts(lengths, keys.device, capacity if static else None)
+        if static:  # CUDA graphs replay in place; a rebuilt batch's new buffers are re-recorded, not recompiled
+            for tensor in (keys, values, weights, v_min, v_max):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+            _dynamic(keys, 0, 2), _dynamic(values, 0, 2), _dynamic(weights, 0, 2), _dynamic(v_min, 0)
+            _dynamic(v_max, 0), _dynamic(counts.tensor, 0), _dynamic(counts.batch_index, 0)
         layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts, window))
     return DecodeBatch(layers)
 
 
-def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[int]) -> torch.Tensor:
+COMPILE_BACKENDS = ("off", "inductor", "cudagraphs", "eager")
+
+
+def _dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
+    """Compile ``dims`` (batch size, capacity) as symbolic sizes from the first graph on, and only those: the heads
+    and head dims stay constants, so no size of one batch can coincide with them and specialise the graph."""
+    for dim in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return tensor
+
+
+def compiled_forward(model, backend: str):
+    """``model.forward`` compiled for decode steps over static batches (``build(..., static=True)``), or None for
+    ``"off"``. One graph per step (``fullgraph=True``); after a new batch size or capacity, dynamo compiles once
+    more with that size symbolic, then no more. ``"inductor"``: on CUDA with ``mode="reduce-overhead"`` (CUDA graphs,
+    so a step is a few launches, not a few hundred); ``"cudagraphs"`` (CUDA only): CUDA graphs without inductor's
+    code generation (compiles in seconds); ``"eager"``: the capture alone (checks; no speed-up)."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile_decode: choose from {', '.join(COMPILE_BACKENDS)}, got {backend!r}")
+    if backend == "off":
+        return None
+    if backend == "cudagraphs" and model.device.type != "cuda":
+        raise ValueError(f"compile_decode: 'cudagraphs' needs the model on a CUDA device, got {model.device}")
+    mode = "reduce-overhead" if backend == "inductor" and model.device.type == "cuda" else None
+    return torch.compile(model.forward, fullgraph=True, backend=backend, mode=mode)
+
+
+def warm_up(model, forward) -> None:
+    """Compile ``forward`` (:func:`compiled_forward`) for every later static batch: one step of a batch of one session
+    and one of two, each a single row from a one-token prefill with the model's own cache layers (sliding windows
+    included, so these batches have the layers real sessions give). Dynamo specialises a batch of one; two and more
+    share one graph with symbolic sizes, so later batches of any size and capacity compile nothing."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=cache,
+          logits_to_keep=1)
+    rows = session_rows(cache)
+    for size in (1, 2):
+        decode_step(model, build(None, [], [rows] * size, 2, static=True), [0] * size, [1] * size, forward)
+
+
+def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[int], forward=None) -> torch.Tensor:
     """One decode step of every session: ``tokens[b]`` at token position ``positions[b]``; logits ``[B, vocab]``
     (the model's dtype). Appends one row per session to ``batch``. One host-to-device copy (the step's tokens,
-    positions and cache position), made before any kernel of the step is queued."""
+    positions and cache position), made before any kernel of the step is queued. ``forward``: what runs the model
+    (default ``model`` itself; a compiled ``model.forward`` over a static batch)."""
     device = batch.layers[0].device
     counts = batch.row_counts()
     for each in counts:
@@ -279,20 +362,19 @@ def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[in
     first = batch.layers[0].counts
     width, size = first.width, len(tokens)
     step = torch.tensor([*tokens, *positions, width - 1], device=device)
+    inputs = dict(input_ids=step[:size, None], position_ids=step[size : 2 * size, None],
+                  attention_mask=first.visible[:, None, None, :],  # an sdpa-only layer's (weighted: key_mask)
+                  cache_position=step[2 * size :])
+    if forward is not None:  # copies, not views: a view's storage offset (here the batch size) would be compiled in
+        inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        _dynamic(inputs["input_ids"], 0), _dynamic(inputs["position_ids"], 0), _dynamic(inputs["attention_mask"], 0, 3)
     try:
-        out = model(
-            input_ids=step[:size, None],
-            position_ids=step[size : 2 * size, None],
-            past_key_values=batch,
-            attention_mask=first.visible[:, None, None, :],  # what an sdpa-only layer would need (weighted: key_mask)
-            cache_position=step[2 * size :],
-            logits_to_keep=1,
-            use_cache=True,
-        )
+        out = (forward or model)(**inputs, past_key_values=batch, logits_to_keep=1, use_cache=True)
     except BaseException:
         for each in counts:
             each.end_step(appended=False)
         raise
     for each in counts:
         each.end_step()
-    return out.logits[:, -1]
+    logits = out.logits[:, -1]
+    return logits if forward is None else logits.clone()  # a CUDA graph's output is overwritten by its next replay

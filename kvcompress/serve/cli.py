@@ -17,6 +17,8 @@ EPILOG = """example:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcompress.serve.batch import COMPILE_BACKENDS
+
     p = argparse.ArgumentParser(
         prog="kvcompress serve", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="OpenAI-compatible server that keeps each long context compressed and reuses it.",
@@ -75,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "held back. 0: new contexts join as soon as possible (fullest batches, best aggregate "
                         "tokens/s measured); larger: smoother running streams and earlier follow-ups, later "
                         "first tokens for new contexts (a number in [0, 1e6]; default 0.0)")
+    p.add_argument("--compile-decode", default="off", choices=COMPILE_BACKENDS,
+                   help="compile the decode step (torch.compile, one graph for every step): inductor (on CUDA with "
+                        "CUDA graphs: a step is a few launches instead of a few hundred, for the host-bound steps "
+                        "of small batches), cudagraphs (CUDA only: CUDA graphs without inductor, compiles in "
+                        "seconds), eager (the capture alone, a check). The first steps of each new batch size "
+                        "compile (seconds to minutes); off: eager steps (default off)")
     p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -153,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    if args.compile_decode == "cudagraphs" and device != "cuda":
+        print(f"kvcompress serve: error: --compile-decode: cudagraphs needs a CUDA device, got --device {device} "
+              "(use inductor or eager)", file=sys.stderr)
+        return 2
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype), device=device,
                                       device_map=args.device_map)
@@ -166,12 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = Engine(model, tokenizer, model_name=served, press=press, press_label=press_label,
                     store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue,
                     max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
-                    decode_per_prefill=args.decode_per_prefill)
+                    decode_per_prefill=args.decode_per_prefill, compile_decode=args.compile_decode)
     app = create_app(engine, served, api_key=args.api_key)
     logging.getLogger("kvcompress.serve").info(
-        "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g",
-        served, args.method, args.ratio, args.host, args.port, args.cache_memory, args.max_batch,
-        args.decode_per_prefill)
+        "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g, "
+        "compiled decode %s", served, args.method, args.ratio, args.host, args.port, args.cache_memory,
+        args.max_batch, args.decode_per_prefill, args.compile_decode)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress.hf_attention import use_weighted_attention
-from kvcompress.serve.batch import RowSource, build, decode_step, session_rows
+from kvcompress.serve.batch import RowSource, build, compiled_forward, decode_step, session_rows, warm_up
 from kvcompress.serve.metrics import ServerMetrics
 from kvcompress.serve.store import ContextStore, answer_view
 
@@ -132,7 +132,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, model_name: str, press, press_label: str, store: ContextStore,
                  metrics: ServerMetrics, max_queue: int = 64, prefix_min_fraction: float = 0.5, max_batch: int = 8,
-                 max_batch_tokens: int = 131072, memory: int | None = None, decode_per_prefill: float | None = None):
+                 max_batch_tokens: int = 131072, memory: int | None = None, decode_per_prefill: float | None = None,
+                 compile_decode: str = "off"):
         from kvcompress.serve.scheduler import DECODE_PER_PREFILL, Scheduler
 
         self.model, self.tokenizer, self.press = model, tokenizer, press
@@ -148,6 +149,7 @@ class Engine:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = set(eos)
         use_weighted_attention(model)  # decode batches are tagged cache layers; untagged caches still run sdpa
+        self.decode_forward = compiled_forward(model, compile_decode)  # None: eager steps
         config = getattr(model.config, "text_config", None) or model.config
         heads = config.num_key_value_heads or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -308,12 +310,34 @@ class Engine:
                  seconds, (len(ids) - 1) / seconds if seconds > 0 and len(ids) > 1 else 0.0, session.finish, batch)
         job.emit("done", session.finish, len(job.context_ids) + len(job.question_ids), len(ids))
 
+    def build_batch(self, kept, keep: list[int], new: list[list[RowSource]], capacity: int):
+        """:func:`kvcompress.serve.batch.build`, static when decode steps are compiled."""
+        return build(kept, keep, new, capacity, static=self.decode_forward is not None)
+
+    def decode(self, batch, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of ``batch`` (:func:`kvcompress.serve.batch.decode_step`), compiled or eager."""
+        return decode_step(self.model, batch, tokens, positions, forward=self.decode_forward)
+
+    def warm_up(self) -> None:
+        """Compile the decode step before the first request (with ``compile_decode``; the scheduler's thread calls it
+        first: :func:`kvcompress.serve.batch.warm_up`). If that fails, the steps run eager, and the log says why."""
+        if self.decode_forward is None:
+            return
+        start = time.perf_counter()
+        try:
+            warm_up(self.model, self.decode_forward)
+        except Exception:  # noqa: BLE001 - eager steps still serve; the log has the trace
+            log.exception("compiled decode failed to warm up; decoding eager")
+            self.decode_forward = None
+            return
+        log.info("compiled decode warmed up in %.1f s", time.perf_counter() - start)
+
     def run_alone(self, job: Job) -> None:
         """Serve ``job`` start to end in this thread, in a decode batch of one (what ``--max-batch 1`` does)."""
         session = self.open_session(job)
-        batch = build(None, [], [session.rows], session.need) if session.finish is None else None
+        batch = self.build_batch(None, [], [session.rows], session.need) if session.finish is None else None
         while session.finish is None:
-            logits = decode_step(self.model, batch, [session.pending], [session.position])
+            logits = self.decode(batch, [session.pending], [session.position])
             session.position += 1
             self.advance(session, job.choose(logits[0], session.ids, session.generator), logits[0])
         self.close(session)

@@ -45,7 +45,7 @@ from collections import deque
 
 import torch
 
-from kvcompress.serve.batch import DecodeBatch, batch_bytes, build, decode_step
+from kvcompress.serve.batch import DecodeBatch, batch_bytes
 from kvcompress.serve.engine import Job, QueueFull, Session, TooLarge
 
 log = logging.getLogger("kvcompress.serve")
@@ -198,6 +198,7 @@ class Scheduler:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
+            self.engine.warm_up()  # requests wait in the queue meanwhile
             while True:
                 with self._cond:
                     while not (self._stopping or self._waiting or self.active or self._ready):
@@ -283,7 +284,7 @@ class Scheduler:
         if joining:
             keep = list(range(len(self.active)))
             capacity = self._capacity(self.active + joining)
-            self.batch = build(self.batch, keep, [s.rows for s in joining], capacity)
+            self.batch = self.engine.build_batch(self.batch, keep, [s.rows for s in joining], capacity)
             for session in joining:
                 session.rows = None  # the batch holds them now
             self.active += joining
@@ -308,8 +309,7 @@ class Scheduler:
     def _step(self) -> None:
         start = time.perf_counter()
         sessions = self.active
-        logits = decode_step(self.engine.model, self.batch, [s.pending for s in sessions],
-                             [s.position for s in sessions])
+        logits = self.engine.decode(self.batch, [s.pending for s in sessions], [s.position for s in sessions])
         greedy = logits.argmax(-1).tolist()
         now = time.perf_counter()
         done = []
@@ -334,4 +334,4 @@ class Scheduler:
                 self._retired(sessions[b])
             keep = [b for b in range(len(sessions)) if b not in done]
             self.active = [sessions[b] for b in keep]
-            self.batch = build(self.batch, keep, [], self._capacity(self.active))
+            self.batch = self.engine.build_batch(self.batch, keep, [], self._capacity(self.active))
