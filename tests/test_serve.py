@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -577,6 +578,8 @@ class FailingEngine:
 
         self.tokenizer, self.metrics, self.store = tokenizer, ServerMetrics(), ContextStore(0)
         self.max_length, self.press_label, self.max_queue, self.vocab_size = 8192, "test", 8, len(tokenizer)
+        self.ready = threading.Event()
+        self.ready.set()
 
     def submit(self, jobs) -> None:
         jobs[0].emit("text", "Hello", None)

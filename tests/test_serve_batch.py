@@ -479,7 +479,8 @@ def test_compiled_decode_server_gives_the_eager_servers_answers(batch_server, tm
     """``--compile-decode eager``: the server's steps run dynamo's capture of a static batch (each step attends the
     whole capacity, visibility and clip ranges on the device), warmed up before the first request. Four concurrent
     requests with different max_tokens and stops get exactly the answers the eager batch server gives them, and at
-    least one step decoded two sessions or more (the graph whose batch size is symbolic)."""
+    least one step decoded two sessions or more (the graph whose batch size is symbolic). ``/health`` says ok only
+    once the step is compiled."""
     from tests.test_serve import contexts, metric
 
     eager_base, _ = batch_server
@@ -488,12 +489,12 @@ def test_compiled_decode_server_gives_the_eager_servers_answers(batch_server, tm
     log_path = tmp_path / "server.log"
     with running_server(["--method", "compresskv_paper", "--max-batch", "4", "--compile-decode", "eager",
                          "--log-level", "info"], log_path) as base:
+        assert "compiled decode warmed up" in log_path.read_text()  # /health answered 503 until then
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(_ask, base, docs[i], QUESTIONS[i], max_tokens[i], stops[i]) for i in range(4)]
             compiled = [f.result() for f in futures]
         single = metric(base, "kvcompress_batch_size_bucket", '{le="1.0"}')
         assert metric(base, "kvcompress_batch_size_count") > single
-    assert "compiled decode warmed up" in log_path.read_text()
     assert compiled == [_ask(eager_base, docs[i], QUESTIONS[i], max_tokens[i], stops[i]) for i in range(4)]
 
 

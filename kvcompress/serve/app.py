@@ -236,6 +236,9 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
 
     @app.get("/health")
     async def health():
+        if not engine.ready.is_set():  # compiling its decode step: requests are queued, not yet served
+            return JSONResponse({"status": "warming up", "model": served_model, "method": engine.press_label},
+                                status_code=503, headers={"Retry-After": "5"})
         return {"status": "ok", "model": served_model, "method": engine.press_label}
 
     @app.get("/metrics")

@@ -150,6 +150,7 @@ class Engine:
         self.eos_ids = set(eos)
         use_weighted_attention(model)  # decode batches are tagged cache layers; untagged caches still run sdpa
         self.decode_forward = compiled_forward(model, compile_decode)  # None: eager steps
+        self.ready = threading.Event()  # set once warm_up has compiled the decode step (at once without compiling)
         config = getattr(model.config, "text_config", None) or model.config
         heads = config.num_key_value_heads or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -320,17 +321,19 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile the decode step before the first request (with ``compile_decode``; the scheduler's thread calls it
-        first: :func:`kvcompress.serve.batch.warm_up`). If that fails, the steps run eager, and the log says why."""
+        first: :func:`kvcompress.serve.batch.warm_up`), then set :attr:`ready` (``/health`` answers 503 until then).
+        If compiling fails, the steps run eager, and the log says why."""
         if self.decode_forward is None:
+            self.ready.set()
             return
         start = time.perf_counter()
         try:
             warm_up(self.model, self.decode_forward)
+            log.info("compiled decode warmed up in %.1f s", time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - eager steps still serve; the log has the trace
             log.exception("compiled decode failed to warm up; decoding eager")
             self.decode_forward = None
-            return
-        log.info("compiled decode warmed up in %.1f s", time.perf_counter() - start)
+        self.ready.set()
 
     def run_alone(self, job: Job) -> None:
         """Serve ``job`` start to end in this thread, in a decode batch of one (what ``--max-batch 1`` does)."""
