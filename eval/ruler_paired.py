@@ -1,5 +1,6 @@
 """Two RULER-style runs compared on the contexts they share: each setting's average and the difference with a
-95% paired bootstrap interval (contexts resampled within each task, both settings the same draw).
+95% paired bootstrap interval (contexts resampled within each task, both settings the same draw), then the same for
+each task alone.
 
     python -m eval.ruler_paired RUN_A METHOD_A RUN_B METHOD_B
     python -m eval.ruler_paired RUN_A_SEED0,RUN_A_SEED1 METHOD_A RUN_B_SEED0,RUN_B_SEED1 METHOD_B   # pooled
@@ -81,7 +82,8 @@ def pooled_scores(run_dirs: list[str], method: str, answers: dict | None = None)
 
 def compare(first: dict[str, dict[str, float]], second: dict[str, dict[str, float]]) -> dict:
     """The paired difference over the tasks and contexts both runs scored (``left_out``: the tasks only one run
-    scored, which the difference leaves out)."""
+    scored, which the difference leaves out; ``per_task``: each task's own paired difference, for goals set per
+    task family)."""
     tasks = sorted(set(first) & set(second))
     shared = {task: sorted(set(first[task]) & set(second[task])) for task in tasks}
     if not tasks or not all(shared.values()):
@@ -89,8 +91,9 @@ def compare(first: dict[str, dict[str, float]], second: dict[str, dict[str, floa
     a = {task: [first[task][key] for key in keys] for task, keys in shared.items()}
     b = {task: [second[task][key] for key in keys] for task, keys in shared.items()}
     left_out = sorted(set(first) ^ set(second))
+    per_task = {task: paired_difference({task: a[task]}, {task: b[task]}) for task in tasks}
     return paired_difference(a, b) | {"contexts": {task: len(keys) for task, keys in shared.items()},
-                                      "left_out": left_out}
+                                      "left_out": left_out, "per_task": per_task}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         f" contexts: {contexts}" + (f"; tasks only one run scored, left out: {', '.join(result['left_out'])}"
                                     if result["left_out"] else "")
     )
+    for task, each in result["per_task"].items():
+        print(f"  {task}: {each['first']:.2f} - {each['second']:.2f} = {each['difference']:+.2f} "
+              f"[{each['low']:+.2f}, {each['high']:+.2f}]")
     return 0
 
 

@@ -69,6 +69,7 @@ def test_two_runs_pair_on_their_shared_contexts(tmp_path, monkeypatch):
     result = ruler_paired.compare(a, b)  # only the 2 contexts per task both runs have
     assert result["contexts"] == {"niah_single": 2, "qa": 2}
     assert result["first"] == 100 and result["second"] == 0 and result["low"] == result["high"] == 100
+    assert result["per_task"]["qa"]["difference"] == result["per_task"]["niah_single"]["difference"] == 100
     with pytest.raises(ValueError, match="no predictions of 'exact'"):
         ruler_paired.example_scores(str(tmp_path / "b"), "exact")
 
@@ -95,6 +96,7 @@ def test_runs_of_several_seeds_pool_per_task(tmp_path, monkeypatch, capsys):
     assert ruler_paired.main([",".join(a), "compresskv", ",".join(b), "snapkv"]) == 0  # the CLI's comma-separated runs
     printed = capsys.readouterr().out
     assert "66.67 - snapkv" in printed and "16.67 = +50.00" in printed and "contexts: niah_single 6" in printed
+    assert "  niah_single: 66.67 - 16.67 = +50.00 [" in printed  # each task's own line
 
 
 def test_a_run_with_the_harness_defaults_and_a_later_smaller_limit(tmp_path, monkeypatch):
