@@ -304,8 +304,10 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
         if static:  # CUDA graphs replay in place; a rebuilt batch's new buffers are re-recorded, not recompiled
             for tensor in (keys, values, weights, v_min, v_max):
                 torch._dynamo.mark_static_address(tensor, guard=False)
-            _dynamic(keys, 0, 2), _dynamic(values, 0, 2), _dynamic(weights, 0, 2), _dynamic(v_min, 0)
-            _dynamic(v_max, 0), _dynamic(counts.tensor, 0), _dynamic(counts.batch_index, 0)
+            for tensor in (keys, values, weights):
+                _dynamic(tensor, 0, 2)
+            for tensor in (v_min, v_max, counts.tensor, counts.batch_index):
+                _dynamic(tensor, 0)
         layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts, window))
     return DecodeBatch(layers)
 
@@ -323,10 +325,11 @@ def _dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
 
 def compiled_forward(model, backend: str):
     """``model.forward`` compiled for decode steps over static batches (``build(..., static=True)``), or None for
-    ``"off"``. One graph per step (``fullgraph=True``); after a new batch size or capacity, dynamo compiles once
-    more with that size symbolic, then no more. ``"inductor"``: on CUDA with ``mode="reduce-overhead"`` (CUDA graphs,
-    so a step is a few launches, not a few hundred); ``"cudagraphs"`` (CUDA only): CUDA graphs without inductor's
-    code generation (compiles in seconds); ``"eager"``: the capture alone (checks; no speed-up)."""
+    ``"off"``. One graph per step (``fullgraph=True``), the batch and capacity sizes symbolic: a batch of one and
+    every larger batch take one graph each (:func:`warm_up` compiles both). ``"inductor"``: on CUDA with
+    ``mode="reduce-overhead"`` (CUDA graphs, so a step is a few launches, not a few hundred); ``"cudagraphs"`` (CUDA
+    only): CUDA graphs without inductor's code generation (compiles in seconds); ``"eager"``: the capture alone
+    (checks; no speed-up)."""
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"compile_decode: choose from {', '.join(COMPILE_BACKENDS)}, got {backend!r}")
     if backend == "off":
@@ -367,7 +370,9 @@ def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[in
                   cache_position=step[2 * size :])
     if forward is not None:  # copies, not views: a view's storage offset (here the batch size) would be compiled in
         inputs = {name: tensor.clone() for name, tensor in inputs.items()}
-        _dynamic(inputs["input_ids"], 0), _dynamic(inputs["position_ids"], 0), _dynamic(inputs["attention_mask"], 0, 3)
+        _dynamic(inputs["input_ids"], 0)
+        _dynamic(inputs["position_ids"], 0)
+        _dynamic(inputs["attention_mask"], 0, 3)
     try:
         out = (forward or model)(**inputs, past_key_values=batch, logits_to_keep=1, use_cache=True)
     except BaseException:

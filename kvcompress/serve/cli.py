@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the decode step (torch.compile, one graph for every step): inductor (on CUDA with "
                         "CUDA graphs: a step is a few launches instead of a few hundred, for the host-bound steps "
                         "of small batches), cudagraphs (CUDA only: CUDA graphs without inductor, compiles in "
-                        "seconds), eager (the capture alone, a check). The first steps of each new batch size "
-                        "compile (seconds to minutes); off: eager steps (default off)")
+                        "seconds), eager (the capture alone, a check). Compiled at start, seconds to minutes, "
+                        "while /health answers 503; off: eager steps (default off)")
     p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
