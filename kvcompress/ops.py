@@ -2,8 +2,9 @@
 static compressed cache (:mod:`kvcompress.static_cache`) without graph breaks.
 
 ``torch.ops.kvcompress.weighted_attention_rows`` is Alg. 3 of WildCat (arXiv 2602.10056) over a cache whose
-visibility is given on the device: ``key_mask [b, n]`` and a one-element causal offset tensor ``c`` (query ``i``
-sees key ``j`` iff ``j <= c + i`` and ``key_mask[:, j]``). No host value changes per step, so one compiled graph
+visibility is given on the device: ``key_mask [b, n]`` and a causal offset tensor ``c``, one element or one per
+batch row (query ``i`` of row ``r`` sees key ``j`` iff ``j <= c[r] + i`` and ``key_mask[r, j]``; the server's static
+decode batch gives each row its own). No host value changes per step, so one compiled graph
 (or CUDA graph) serves every step. CUDA tensors the Triton kernel supports run it (the offset is read on the
 device); anything else runs the PyTorch reference. Inputs are model activations: no validation or finiteness
 check here (``kvcompress.weighted_attention`` is the validating entry point).
@@ -29,7 +30,8 @@ def weighted_attention_rows(
     scaling: float,
 ) -> torch.Tensor:
     """queries ``[b, h_q, m, d]``; keys ``[b, h_kv, n, d]``; values ``[b, h_kv, n, d_v]``; weights ``[b, h_kv, n]``
-    (float32); key_mask ``[b, n]`` bool; causal_offset ``[1]`` int64; v_min / v_max ``[b, h_kv, d_v]`` float32.
+    (float32); key_mask ``[b, n]`` bool; causal_offset ``[1]`` or ``[b]`` int64; v_min / v_max ``[b, h_kv, d_v]``
+    float32.
     Returns ``[b, h_q, m, d_v]`` in ``values.dtype``."""
     if queries.device.type == "cuda":
         kernel = _triton_kernel(queries, keys, values, weights, v_min, v_max, required=False)
