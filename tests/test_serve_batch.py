@@ -85,15 +85,6 @@ def _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol, atol,
         positions = [p + 1 for p in positions]
 
 
-def _as_on_cuda(batch, per_row: bool):
-    """``per_row``: the batch's layers give the attention each row's causal offset and no shared mask, as on CUDA
-    (where the Triton kernel then reads no key past a row's own); here the PyTorch path runs the same arguments."""
-    if per_row and batch is not None:
-        for layer in batch.layers:
-            layer._offsets_on_device = True
-    return batch
-
-
 MODES = ["shared-mask", "per-row-offsets", "static", "compiled"]
 
 
@@ -105,6 +96,8 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(mode):
     and one leaves early (the batch rebuilt around them). float64, so the batch's other reduction order (a GEMM
     over the batch instead of a GEMV per session) moves logits by ~1e-13; 1e-9 leaves room for that and nothing
     a wrong position, mask or weight would give (those change logits by O(1e-2) or more on this model).
+    ``per-row-offsets``: each row bounded by its own causal offset instead of the step's shared mask, as on CUDA
+    (where the Triton kernel then reads no key past a row's own; here the PyTorch path takes the same arguments).
     ``static``: the batch attends its whole capacity with each row's new row as its causal offset (what compiled
     steps run); ``compiled``: those steps under ``torch.compile(fullgraph=True)`` (dynamo's capture, run without
     code generation), which must capture no step of a batch size it has seen (a rebuilt batch of the same shape
@@ -123,7 +116,7 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(mode):
     seen: set[int] = set()
 
     def build(kept, keep, new, capacity):
-        return _as_on_cuda(build_batch(kept, keep, new, capacity, static=static), per_row)
+        return build_batch(kept, keep, new, capacity, static=static, per_row_offsets=per_row)
 
     model = tiny_model("llama", dtype=torch.float64)
     press = make_press("compresskv_paper", 0.75, 0)
@@ -284,8 +277,7 @@ def test_decode_batch_keeps_each_sessions_sliding_window(family, mode):
     sources, tokens, positions = _opened(model, sessions)
     assert [source.window for source in sources[0]] == layer_windows(model)  # gemma3 [8, None, 8]; mistral [8, 8]
     batch = build(None, [], sources, max(s.keys.shape[-2] for rows in sources for s in rows) + steps + 1,
-                  static=mode == "static")
-    _as_on_cuda(batch, mode == "per-row-offsets")
+                  static=mode == "static", per_row_offsets=mode == "per-row-offsets")
     _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=0, atol=1e-9)
 
 

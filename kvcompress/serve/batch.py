@@ -123,14 +123,15 @@ class BatchLayer(DynamicLayer):
 
     is_sliding = False
 
-    def __init__(self, keys, values, weights, v_min, v_max, counts: RowCounts, window: int | None = None):
+    def __init__(self, keys, values, weights, v_min, v_max, counts: RowCounts, window: int | None = None,
+                 per_row_offsets: bool | None = None):
         super().__init__()
         self.dtype, self.device = keys.dtype, keys.device
         self.keys, self.values, self.weights = keys, values, weights
         self.value_min, self.value_max = v_min, v_max
         self.counts, self.window = counts, window
         self.is_initialized = True
-        self._offsets_on_device = keys.is_cuda
+        self.per_row_offsets = keys.is_cuda if per_row_offsets is None else per_row_offsets
         if self.is_compileable:  # the attention finds the layer from its keys: the same buffer every step
             tag_layer(self.keys, self)
 
@@ -149,7 +150,7 @@ class BatchLayer(DynamicLayer):
         """On CUDA, each batch row's causal offset (``[B]`` int64, the index of its new row, read by the Triton
         kernel, which then reads no key past a row's own rows, however long the longest row); None elsewhere, where
         the PyTorch path masks with the step's one shared mask (fewer operators than each row's causal bound)."""
-        return self.counts.tensor if self._offsets_on_device else None
+        return self.counts.tensor if self.per_row_offsets else None
 
     @property
     def lengths(self) -> list[int]:
@@ -191,7 +192,7 @@ class BatchLayer(DynamicLayer):
         own window)."""
         if self.window is not None and max(self.counts.host) + 1 > self.window:
             return self.counts.windowed(self.window)
-        return None if self._offsets_on_device else self.counts.mask
+        return None if self.per_row_offsets else self.counts.mask
 
     def weights_for(self, rows: int) -> torch.Tensor:
         return self.weights[:, :, :rows]
@@ -253,10 +254,12 @@ def batch_bytes(rows: int, capacity: int, per_row: int, per_session: int) -> int
 
 
 def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]], capacity: int,
-          static: bool = False) -> DecodeBatch | None:
+          static: bool = False, per_row_offsets: bool | None = None) -> DecodeBatch | None:
     """A new decode batch: rows ``keep`` of ``kept`` (in that order), then the sessions ``new`` (each one list of
     :class:`RowSource` per layer), every row with room for ``capacity`` rows. None when no session is left.
-    ``static``: every step attends the whole capacity (:attr:`BatchLayer.is_compileable`), for compiled steps."""
+    ``static``: every step attends the whole capacity (:attr:`BatchLayer.is_compileable`), for compiled steps.
+    ``per_row_offsets``: eager steps bound each row by its own causal offset instead of the step's shared mask
+    (:attr:`BatchLayer.row_offsets`; default: on CUDA)."""
     if not keep and not new:
         return None
     layers: list[BatchLayer] = []
@@ -308,7 +311,7 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
                 _dynamic(tensor, 0, 2)
             for tensor in (v_min, v_max, counts.tensor, counts.batch_index):
                 _dynamic(tensor, 0)
-        layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts, window))
+        layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts, window, per_row_offsets))
     return DecodeBatch(layers)
 
 
