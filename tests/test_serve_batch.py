@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -306,6 +307,52 @@ def test_decode_batch_rows_are_masked_not_read(static):
     poisoned = decode_step(model, dirty, tokens, positions)
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_static_batch_rebuilt_to_its_shape_keeps_its_buffers_and_each_sessions_answer():
+    """A session leaves and another joins between two steps of a static batch: same batch size and capacity, so
+    the batch is rebuilt in its own buffers (a CUDA graph replayed on them needs no re-recording; new buffers would
+    make it re-record, and after torch's limit of such re-records run without graphs). The rows move in place and
+    the new session's row is cleared past its rows: every session still gets the logits it gets alone (float64,
+    1e-9 as above). A session longer than the capacity is refused before anything is written."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import batch_capacity, build, decode_step
+
+    model = tiny_model("llama", dtype=torch.float64, seed=3)
+    use_weighted_attention(model)
+    sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(260, 4, True), (400, 6, True), (90, 3, False),
+                                                                  (150, 5, True)], seed=7)  # fmt: skip
+    steps = 5
+    alone = [_alone(model, *session, steps) for session in sessions]
+    sources, tokens, positions = _opened(model, sessions)
+    capacity = batch_capacity(max(s.keys.shape[-2] for rows in sources for s in rows) + steps, static=True)
+    assert capacity % 256 == 0
+    batch = build(None, [], [sources[2], sources[0], sources[1]], capacity, static=True)
+    buffers = [(layer.keys, layer.values, layer.weights, layer.value_min, layer.value_max) for layer in batch.layers]
+    members, step_of = [2, 0, 1], [0, 0, 0, 0]
+
+    def step() -> None:
+        logits = decode_step(model, batch, [tokens[s] if step_of[s] == 0 else int(alone[s][step_of[s]].argmax())
+                                            for s in members], [positions[s] + step_of[s] for s in members])
+        for b, s in enumerate(members):
+            step_of[s] += 1
+            torch.testing.assert_close(logits[b], alone[s][step_of[s]], rtol=0, atol=1e-9)
+
+    step()
+    step()
+    with pytest.raises(ValueError, match="capacity: .* cannot hold"):
+        build(batch, [1, 2], [[*sources[3][:-1], replace(sources[3][-1], keys=torch.zeros(1, 1, capacity + 1, 1))]],
+              capacity, static=True)
+    # session 1 leaves and 3 takes its row (past 3's rows: 1's fitted weights, unless cleared); 0 and 2 swap rows
+    batch = build(batch, [1, 0], [sources[3]], capacity, static=True)
+    members = [0, 2, 3]
+    for layer, held in zip(batch.layers, buffers, strict=True):
+        assert all(a is b for a, b in zip((layer.keys, layer.values, layer.weights, layer.value_min,
+                                           layer.value_max), held, strict=True))  # fmt: skip
+    step()
+    step()
 
 
 @torch.no_grad()
@@ -693,7 +740,8 @@ def test_admission_names_what_to_change_when_a_request_cannot_fit():
     from kvcompress.serve.scheduler import Scheduler
 
     engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
-                             batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None)  # fmt: skip
+                             batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None,
+                             batch_capacity=lambda rows: rows)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
     try:
         huge = Job(list(range(4004)), [1, 2], max_tokens=1)  # 1001 rows once compressed: 100,100 bytes
@@ -724,7 +772,8 @@ def test_a_requests_choices_are_queued_all_or_none():
     from kvcompress.serve.scheduler import Scheduler
 
     engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
-                             batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None)  # fmt: skip
+                             batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None,
+                             batch_capacity=lambda rows: rows)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=2)
     try:
         jobs = [Job(list(range(400)), [1, 2], max_tokens=5, index=i) for i in range(3)]

@@ -262,6 +262,9 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
     (:attr:`BatchLayer.row_offsets`; default: on CUDA)."""
     if not keep and not new:
         return None
+    longest = max((src.keys.shape[-2] for session in new for src in session), default=0)
+    if longest > capacity:  # before anything is written: a static batch is rebuilt in its own buffers
+        raise ValueError(f"capacity: {capacity} rows cannot hold a session of {longest} rows")
     layers: list[BatchLayer] = []
     # One RowCounts per distinct lengths, and apart for sliding-window layers whatever their lengths: which layers
     # share one is then the model's structure, not the sessions' (a compiled step's graph depends on it)
@@ -275,18 +278,23 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
         ref_keys, ref_values = ref.keys, ref.values
         heads, d_k, d_v = ref_keys.shape[1], ref_keys.shape[-1], ref_values.shape[-1]
         batch = len(keep) + len(sources)
-        keys = ref_keys.new_zeros(batch, heads, capacity, d_k)
-        values = ref_values.new_zeros(batch, heads, capacity, d_v)
-        # Weight 1 past every session's rows: a step's new row needs no write (rows past a session's count are masked)
-        weights = torch.ones(batch, heads, capacity, dtype=torch.float32, device=keys.device)
-        v_min = torch.empty(batch, heads, d_v, dtype=ref.v_min.dtype if old is None else old.value_min.dtype,
-                            device=keys.device)
-        v_max = torch.empty_like(v_min)
+        reuse = static and old is not None and old.is_compileable and (old.keys.shape[0], old.keys.shape[2]) == (
+            batch, capacity)
+        if reuse:  # the same shape: the same buffers (a CUDA graph replays on them; new ones make it re-record)
+            keys, values, weights, v_min, v_max = old.keys, old.values, old.weights, old.value_min, old.value_max
+        else:
+            keys = ref_keys.new_zeros(batch, heads, capacity, d_k)
+            values = ref_values.new_zeros(batch, heads, capacity, d_v)
+            # Weight 1 past every session's rows: a step's new row needs no write (rows past a count are masked)
+            weights = torch.ones(batch, heads, capacity, dtype=torch.float32, device=keys.device)
+            v_min = torch.empty(batch, heads, d_v, dtype=ref.v_min.dtype if old is None else old.value_min.dtype,
+                                device=keys.device)
+            v_max = torch.empty_like(v_min)
         lengths = []
         if old is not None:
             if index is None:  # the same rows of every layer: one host-to-device copy (a sync), not one a layer
                 index = torch.tensor(keep, device=keys.device)
-            span = min(old.keys.shape[-2], capacity)
+            span = min(old.keys.shape[-2], capacity)  # the selected rows are copied out before they are written
             keys[: len(keep), :, :span] = old.keys.index_select(0, index)[:, :, :span]
             values[: len(keep), :, :span] = old.values.index_select(0, index)[:, :, :span]
             weights[: len(keep), :, :span] = old.weights.index_select(0, index)[:, :, :span]
@@ -294,9 +302,9 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
             lengths += [old.lengths[b] for b in keep]
         for j, src in enumerate(sources, start=len(keep)):
             n = src.keys.shape[-2]
-            if n > capacity:
-                raise ValueError(f"capacity: {capacity} rows cannot hold a session of {n} rows")
             keys[j, :, :n], values[j, :, :n], weights[j, :, :n] = src.keys[0], src.values[0], src.weights[0]
+            if reuse:  # the row held another session: zeros and weight 1 past this one's rows, as in new buffers
+                keys[j, :, n:], values[j, :, n:], weights[j, :, n:] = 0, 0, 1
             v_min[j], v_max[j] = src.v_min[0], src.v_max[0]
             lengths.append(n)
         window = old.window if old is not None else ref.window
@@ -316,6 +324,14 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
 
 
 COMPILE_BACKENDS = ("off", "inductor", "cudagraphs", "eager")
+STATIC_CAPACITY_STEP = 256  # a static batch's capacity, rounded up: few distinct shapes, so buffers are reused
+
+
+def batch_capacity(rows: int, static: bool) -> int:
+    """The capacity a batch whose longest session reserves ``rows`` rows gets: ``rows``, or for a static batch
+    ``rows`` rounded up to a multiple of :data:`STATIC_CAPACITY_STEP` (each distinct shape is a CUDA graph to
+    record, and a rebuild of the same shape keeps its buffers: :func:`build`)."""
+    return rows if not static else -(-rows // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
 
 
 def _dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:

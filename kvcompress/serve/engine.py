@@ -21,7 +21,15 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress.hf_attention import use_weighted_attention
-from kvcompress.serve.batch import RowSource, build, compiled_forward, decode_step, session_rows, warm_up
+from kvcompress.serve.batch import (
+    RowSource,
+    batch_capacity,
+    build,
+    compiled_forward,
+    decode_step,
+    session_rows,
+    warm_up,
+)
 from kvcompress.serve.metrics import ServerMetrics
 from kvcompress.serve.store import ContextStore, answer_view
 
@@ -311,6 +319,10 @@ class Engine:
                  seconds, (len(ids) - 1) / seconds if seconds > 0 and len(ids) > 1 else 0.0, session.finish, batch)
         job.emit("done", session.finish, len(job.context_ids) + len(job.question_ids), len(ids))
 
+    def batch_capacity(self, rows: int) -> int:
+        """:func:`kvcompress.serve.batch.batch_capacity`: rounded up when decode steps are compiled."""
+        return batch_capacity(rows, static=self.decode_forward is not None)
+
     def build_batch(self, kept, keep: list[int], new: list[list[RowSource]], capacity: int):
         """:func:`kvcompress.serve.batch.build`, static when decode steps are compiled."""
         return build(kept, keep, new, capacity, static=self.decode_forward is not None)
@@ -338,7 +350,8 @@ class Engine:
     def run_alone(self, job: Job) -> None:
         """Serve ``job`` start to end in this thread, in a decode batch of one (what ``--max-batch 1`` does)."""
         session = self.open_session(job)
-        batch = self.build_batch(None, [], [session.rows], session.need) if session.finish is None else None
+        capacity = self.batch_capacity(session.need)
+        batch = self.build_batch(None, [], [session.rows], capacity) if session.finish is None else None
         while session.finish is None:
             logits = self.decode(batch, [session.pending], [session.position])
             session.position += 1

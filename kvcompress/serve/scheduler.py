@@ -157,7 +157,7 @@ class Scheduler:
         return need, new_bytes, key
 
     def _capacity(self, sessions: list[Session]) -> int:
-        return max((s.need for s in sessions), default=0)
+        return self.engine.batch_capacity(max((s.need for s in sessions), default=0))
 
     def _fits(self, joining: list[Session], need: int, new_bytes: int, keep, evict: bool = True) -> bool:
         """Whether a session reserving ``need`` batch rows fits beside the active and joining sessions. When it
@@ -169,7 +169,7 @@ class Scheduler:
         if need:
             if sessions >= self.max_batch:
                 return False
-            capacity = max(capacity, need)
+            capacity = max(capacity, self.engine.batch_capacity(need))
             if sessions and (sessions + 1) * capacity > self.max_batch_tokens:
                 return False
             sessions += 1
