@@ -176,6 +176,30 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(mode):
         assert 1 <= counter.frame_count <= len(seen)
 
 
+def test_a_worker_thread_gets_its_own_cudagraph_tree_state():
+    """The server steps its compiled decode in a worker thread; torch before 2.13 set up CUDA-graph-tree state only in
+    the thread that imported inductor, so that thread gets it from ``cudagraph_state_for_this_thread`` (run again, it
+    keeps what is there), where inductor's own lookup then finds it."""
+    from torch._inductor import cudagraph_trees
+
+    from kvcompress.serve.batch import cudagraph_state_for_this_thread
+
+    seen = {}
+
+    def worker() -> None:
+        seen["before"] = torch._C._is_key_in_tls("tree_manager_containers")
+        cudagraph_state_for_this_thread()
+        containers = torch._C._get_obj_in_tls("tree_manager_containers")
+        cudagraph_state_for_this_thread()
+        seen["kept"] = torch._C._get_obj_in_tls("tree_manager_containers") is containers
+        seen["found"] = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers") is containers
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"before": False, "kept": True, "found": True}
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers beside full ones
 @torch.no_grad()
 def test_warm_up_compiles_the_graphs_every_later_batch_uses(family):

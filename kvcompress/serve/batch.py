@@ -28,7 +28,9 @@ one graph serves every step, and with the batch and capacity sizes symbolic, eve
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -359,11 +361,23 @@ def compiled_forward(model, backend: str):
     return torch.compile(model.forward, fullgraph=True, backend=backend, mode=mode)
 
 
+def cudagraph_state_for_this_thread() -> None:
+    """Set up this thread's CUDA-graph-tree state if torch has not. Before torch 2.13 that state lives in thread-local
+    storage stashed only in the thread that imported torch's inductor (pytorch/pytorch#123177), so a compiled step
+    with CUDA graphs asserted in any other Python thread, such as the server's worker; torch 2.13 sets it up lazily,
+    as this does."""
+    if not torch._C._is_key_in_tls("tree_manager_containers"):
+        torch._C._stash_obj_in_tls("tree_manager_containers", {})
+        torch._C._stash_obj_in_tls("tree_manager_locks", collections.defaultdict(threading.Lock))
+
+
 def warm_up(model, forward) -> None:
     """Compile ``forward`` (:func:`compiled_forward`) for every later static batch: one step of a batch of one session
     and one of two, each a single row from a one-token prefill with the model's own cache layers (sliding windows
     included, so these batches have the layers real sessions give). Dynamo specialises a batch of one; two and more
     share one graph with symbolic sizes, so later batches of any size and capacity compile nothing."""
+    if model.device.type == "cuda":
+        cudagraph_state_for_this_thread()  # the server calls this in its worker thread, where every step runs
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=cache,
           logits_to_keep=1)
