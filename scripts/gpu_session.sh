@@ -106,7 +106,8 @@ step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kerne
     tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
     tests/test_compression_stream.py tests/test_cached_launch.py tests/test_kernel_rpnys.py \
     tests/test_repeat_pass.py::test_parked_layers_wait_in_host_memory_and_keep_the_cache \
-    tests/test_serve_batch.py::test_decode_batch_on_a_gpu_equals_each_session_alone -k "not pipeline"
+    tests/test_serve_batch.py::test_decode_batch_on_a_gpu_equals_each_session_alone \
+    tests/test_serve_batch.py::test_compiled_steps_with_cuda_graphs_run_in_a_worker_thread -k "not pipeline"
 grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/kernel_tests.log" 2>/dev/null | tail -15
 
 step lse_prefill 40 $PY -m eval.probe_flash_lse --context 0 --chunk 32768 --output "$OUT/lse_prefill.json"

@@ -258,6 +258,42 @@ def test_decode_batch_on_a_gpu_equals_each_session_alone(compile_decode):
                       rebuild_at=steps // 2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("compile_decode", ["inductor", "cudagraphs"])
+@torch.no_grad()
+def test_compiled_steps_with_cuda_graphs_run_in_a_worker_thread(compile_decode):
+    """As the server runs them: warmed up and stepped in a thread of its own (CUDA-graph state is per thread, and
+    torch before 2.13 set it up only in the importing thread), each session's logits those it gets alone."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build, compiled_forward, warm_up
+
+    model = tiny_model("llama", dtype=torch.float32, seed=6).to("cuda")
+    use_weighted_attention(model)
+    sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(500, 4, True), (200, 3, True)], seed=2)
+    steps = 6
+    alone = [_alone(model, *session, steps) for session in sessions]
+    sources, tokens, positions = _opened(model, sessions)
+    failures = []
+
+    def worker() -> None:
+        try:
+            with torch.inference_mode():
+                forward = compiled_forward(model, compile_decode)
+                warm_up(model, forward)
+                batch = build(None, [], sources, 512, static=True)
+                _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=1e-4, atol=1e-4,
+                                  forward=forward, rebuild_at=steps // 2)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
+            failures.append(error)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
+
+
 @pytest.mark.slow  # an inductor compile of the tiny model's step (~20-40 s on the shared CPU); CI runs it
 @torch.no_grad()
 def test_inductor_compiled_decode_batch_equals_each_session_alone():
