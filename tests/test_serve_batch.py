@@ -788,11 +788,13 @@ def test_prefill_budget_defers_new_contexts_while_sessions_decode_and_lets_follo
     assert prefills_while_decoding == 0
 
 
-def test_admission_names_what_to_change_when_a_request_cannot_fit():
+@pytest.mark.parametrize("step", [1, 256], ids=["eager", "compiled"])
+def test_admission_names_what_to_change_when_a_request_cannot_fit(step):
     """The budget check before queueing (no model: an engine's byte counts only). A context whose compressed cache
     alone passes the budget is refused naming the prompt, whatever max_tokens; a max_tokens the budget cannot
     hold, naming max_tokens; without max_tokens the answer is cut to what fits, one token at the least (it
-    needs no batch rows). Before, a prompt that left no room said 'room for -N tokens'."""
+    needs no batch rows). Before, a prompt that left no room said 'room for -N tokens'. A compiled server's batch
+    capacity comes in steps of 256 rows: what fits is counted in whole steps."""
     from types import SimpleNamespace
 
     from kvcompress.serve.engine import Job, TooLarge
@@ -801,7 +803,7 @@ def test_admission_names_what_to_change_when_a_request_cannot_fit():
 
     engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
                              batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None,
-                             batch_capacity=lambda rows: rows)  # fmt: skip
+                             batch_capacity=lambda rows: -(-rows // step) * step, capacity_step=step)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
     try:
         huge = Job(list(range(4004)), [1, 2], max_tokens=1)  # 1001 rows once compressed: 100,100 bytes
@@ -812,8 +814,10 @@ def test_admission_names_what_to_change_when_a_request_cannot_fit():
         with pytest.raises(TooLarge, match=r"^max_tokens: .* room for 2000 tokens") as error:
             scheduler.submit([Job(list(range(400)), [1, 2], max_tokens=2000)])
         assert error.value.param == "max_tokens"
-        # room: (100,000 - 10) // 100 = 999 batch rows, for the context's rows, the question's 2 and max_tokens - 1
-        for context, expected in ((400, 999 - 100 - 2 + 1), (3992, 1)):  # 100 and 998 context rows
+        # room: (100,000 - 10) // 100 = 999 batch rows (768 in steps of 256), for the context's rows, the question's 2
+        # and max_tokens - 1
+        room = 999 - 999 % step
+        for context, expected in ((400, room - 100 - 2 + 1), (3992, 1)):  # 100 and 998 context rows
             job = Job(list(range(context)), [1, 2], max_tokens=5000, flexible_max=True)
             with pytest.raises(Exception, match="queue"):  # fits: it reaches the (empty) queue
                 scheduler.submit([job])
@@ -833,7 +837,7 @@ def test_a_requests_choices_are_queued_all_or_none():
 
     engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
                              batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None,
-                             batch_capacity=lambda rows: rows)  # fmt: skip
+                             batch_capacity=lambda rows: rows, capacity_step=1)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=2)
     try:
         jobs = [Job(list(range(400)), [1, 2], max_tokens=5, index=i) for i in range(3)]

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.serve.batch import (
+    STATIC_CAPACITY_STEP,
     RowSource,
     batch_capacity,
     build,
@@ -158,6 +159,7 @@ class Engine:
         self.eos_ids = set(eos)
         use_weighted_attention(model)  # decode batches are tagged cache layers; untagged caches still run sdpa
         self.decode_forward = compiled_forward(model, compile_decode)  # None: eager steps
+        self.capacity_step = 1 if self.decode_forward is None else STATIC_CAPACITY_STEP  # batch rows come in these
         self.ready = threading.Event()  # set once warm_up has compiled the decode step (at once without compiling)
         config = getattr(model.config, "text_config", None) or model.config
         heads = config.num_key_value_heads or config.num_attention_heads
@@ -321,7 +323,7 @@ class Engine:
 
     def batch_capacity(self, rows: int) -> int:
         """:func:`kvcompress.serve.batch.batch_capacity`: rounded up when decode steps are compiled."""
-        return batch_capacity(rows, static=self.decode_forward is not None)
+        return batch_capacity(rows, static=self.capacity_step > 1)
 
     def build_batch(self, kept, keep: list[int], new: list[list[RowSource]], capacity: int):
         """:func:`kvcompress.serve.batch.build`, static when decode steps are compiled."""
@@ -344,7 +346,7 @@ class Engine:
             log.info("compiled decode warmed up in %.1f s", time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - eager steps still serve; the log has the trace
             log.exception("compiled decode failed to warm up; decoding eager")
-            self.decode_forward = None
+            self.decode_forward, self.capacity_step = None, 1
         self.ready.set()
 
     def run_alone(self, job: Job) -> None:

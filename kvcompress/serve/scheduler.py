@@ -112,6 +112,7 @@ class Scheduler:
         alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))  # the stored copy may be dropped
         if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
             room = (self.memory - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
+            room -= room % self.engine.capacity_step  # a compiled server's batch holds whole steps of rows
             job.max_tokens = max(1, min(job.max_tokens, room - (need - job.max_tokens)))  # 1: no batch rows
             need, _, _ = self._estimate(job, peek=True)
             alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))
@@ -134,8 +135,8 @@ class Scheduler:
 
     # -- accounting --------------------------------------------------------------------------------------
     def _batch_bytes(self, sessions: int, capacity: int) -> int:
-        e = self.engine
-        return batch_bytes(sessions, capacity, e.batch_row_bytes, e.batch_session_bytes)
+        e = self.engine  # the capacity the batch would really get (rounded up when steps are compiled)
+        return batch_bytes(sessions, e.batch_capacity(capacity), e.batch_row_bytes, e.batch_session_bytes)
 
     def _estimate(self, job: Job, peek: bool = False) -> tuple[int, int, tuple | None]:
         """(batch rows the session will reserve, bytes its context adds to the store, the key of the stored entry it
