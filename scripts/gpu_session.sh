@@ -101,7 +101,7 @@ transformers.__version__, kvpress.__version__ if hasattr(kvpress, '__version__')
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
-step kernel_tests 130 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
+step kernel_tests 170 $PY -m pytest -v -n 8 -p no:cacheprovider tests/test_kernel_attention_mass.py \
     tests/test_kernel_fit_products.py tests/test_kernel_weighted_decode.py tests/test_kernel_weighted_prefill.py \
     tests/test_selection_fitting.py tests/test_repeat_attention.py tests/test_static_cache.py \
     tests/test_compression_stream.py tests/test_cached_launch.py tests/test_kernel_rpnys.py \
