@@ -12,7 +12,8 @@ rows past each session's length are then read and masked). Both take the same to
 median step of each, their ratio, and the largest logit difference between them (the same sums but for rounding).
 Each ``--compile`` backend adds a third kind of batch: static (the whole capacity attended, visibility on the
 device) and stepped by ``kvcompress.serve.batch.compiled_forward`` (on CUDA ``inductor`` runs CUDA graphs): its
-median step and its largest logit difference from the per-row batch (the first ``--warmup`` steps compile).
+median step, its largest logit difference from the per-row batch and its first step's seconds (its compile:
+the first ``--warmup`` steps are not timed otherwise).
 ``--smoke``: a tiny model on CPU, to check the script (not a measurement; ``--compile eager`` there).
 """
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {name: [] for name in batches}
     largest = {name: 0.0 for name in batches}  # against the per-row batch
+    first_ms: dict[str, float] = {}
 
     clock = Clock(device)  # CUDA events on CUDA, the wall clock elsewhere
 
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 largest[name] = max(largest[name], difference)
             if index < args.warmup:
                 for name in batches:
+                    first_ms.setdefault(name, times[name][-1])  # a compiled variant's compile is in its first step
                     times[name].pop()
     medians = {name: statistics.median(values) for name, values in times.items()}
     result = {
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "over_per_row": {name: value / medians["per-row offsets"] for name, value in medians.items()},
         "largest_logit_difference": largest["shared mask"],
         "largest_logit_difference_from_per_row": largest,
+        "first_step_s": {name: value / 1e3 for name, value in first_ms.items()},  # with --warmup >= 1
     }
     print(json.dumps(result, indent=1))
     if args.output:

@@ -24,6 +24,9 @@ def test_smoke_run_times_both_variants_and_their_logits_agree(tmp_path):
     # The static batch sums over its whole capacity (masked rows add exact zeros, in another blocking of the sums):
     # float32 rounding of logits of size ~1, not a row read or missed (O(1e-2) on this model).
     assert result["largest_logit_difference_from_per_row"]["compiled eager"] < 1e-5
+    # dynamo's capture is in the compiled variant's first step (seconds), not in the eager ones' (milliseconds)
+    first = result["first_step_s"]
+    assert set(first) == set(result["median_step_ms"]) and first["compiled eager"] > first["per-row offsets"]
 
 
 @pytest.mark.parametrize("flags", [["--rows", "0"], ["--steps", "0"], ["--warmup", "-1"]])
