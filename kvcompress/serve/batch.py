@@ -401,8 +401,9 @@ def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[in
     inputs = dict(input_ids=step[:size, None], position_ids=step[size : 2 * size, None],
                   attention_mask=first.visible[:, None, None, :],  # an sdpa-only layer's (weighted: key_mask)
                   cache_position=step[2 * size :])
-    if forward is not None:  # copies, not views: a view's storage offset (here the batch size) would be compiled in
-        inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+    if forward is not None:  # copies, not views of ``step``: a view's storage offset (the batch size) would be
+        for name in ("input_ids", "position_ids", "cache_position"):  # compiled in (``visible`` starts at 0)
+            inputs[name] = inputs[name].clone()
         _dynamic(inputs["input_ids"], 0)
         _dynamic(inputs["position_ids"], 0)
         _dynamic(inputs["attention_mask"], 0, 3)

@@ -159,7 +159,6 @@ class Engine:
         self.eos_ids = set(eos)
         use_weighted_attention(model)  # decode batches are tagged cache layers; untagged caches still run sdpa
         self.decode_forward = compiled_forward(model, compile_decode)  # None: eager steps
-        self.capacity_step = 1 if self.decode_forward is None else STATIC_CAPACITY_STEP  # batch rows come in these
         self.ready = threading.Event()  # set once warm_up has compiled the decode step (at once without compiling)
         config = getattr(model.config, "text_config", None) or model.config
         heads = config.num_key_value_heads or config.num_attention_heads
@@ -321,9 +320,15 @@ class Engine:
                  seconds, (len(ids) - 1) / seconds if seconds > 0 and len(ids) > 1 else 0.0, session.finish, batch)
         job.emit("done", session.finish, len(job.context_ids) + len(job.question_ids), len(ids))
 
+    @property
+    def capacity_step(self) -> int:
+        """Batch rows come in steps of this many: :data:`~kvcompress.serve.batch.STATIC_CAPACITY_STEP` when decode
+        steps are compiled, else 1."""
+        return 1 if self.decode_forward is None else STATIC_CAPACITY_STEP
+
     def batch_capacity(self, rows: int) -> int:
         """:func:`kvcompress.serve.batch.batch_capacity`: rounded up when decode steps are compiled."""
-        return batch_capacity(rows, static=self.capacity_step > 1)
+        return batch_capacity(rows, static=self.decode_forward is not None)
 
     def build_batch(self, kept, keep: list[int], new: list[list[RowSource]], capacity: int):
         """:func:`kvcompress.serve.batch.build`, static when decode steps are compiled."""
@@ -346,7 +351,7 @@ class Engine:
             log.info("compiled decode warmed up in %.1f s", time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - eager steps still serve; the log has the trace
             log.exception("compiled decode failed to warm up; decoding eager")
-            self.decode_forward, self.capacity_step = None, 1
+            self.decode_forward = None
         self.ready.set()
 
     def run_alone(self, job: Job) -> None:
