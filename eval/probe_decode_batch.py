@@ -11,7 +11,7 @@ rows past each session's length are then read and masked). Both take the same to
 ``--steps`` decode steps after ``--warmup``; each step is timed with CUDA events (wall time on CPU). Reported: the
 median step of each, their ratio, and the largest logit difference between them (the same sums but for rounding).
 Each ``--compile`` backend adds a third kind of batch: static (the whole capacity attended, visibility on the
-device) and stepped by ``kvcompress.serve.batch.compiled_forward`` (on CUDA ``inductor`` runs CUDA graphs): its
+device) and stepped by ``kvcompress.serve.step.compiled_forward`` (on CUDA ``inductor`` runs CUDA graphs): its
 median step, its largest logit difference from the per-row batch and its first step's seconds (its compile:
 the first ``--warmup`` steps are not timed otherwise).
 ``--smoke``: a tiny model on CPU, to check the script (not a measurement; ``--compile eager`` there).
@@ -29,7 +29,8 @@ import torch
 from eval.speed.clock import Clock
 from eval.speed.config import QWEN25_7B, SMOKE_MODEL
 from kvcompress.hf_attention import use_weighted_attention
-from kvcompress.serve.batch import COMPILE_BACKENDS, RowSource, build, compiled_forward, decode_step
+from kvcompress.serve.batch import RowSource, build
+from kvcompress.serve.step import COMPILE_BACKENDS, compiled_forward, decode_step
 
 
 def synthetic_sessions(model, rows: list[int], dtype: torch.dtype, device: torch.device) -> list[list[RowSource]]:

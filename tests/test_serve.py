@@ -651,7 +651,7 @@ def test_penalties_and_logit_bias_shape_the_logits_as_openai_defines_them():
 def test_sampling_at_the_edges_of_its_ranges():
     """temperature and top_p anywhere in their ranges give a token: near 0 they keep the likeliest one (the
     logits divided by 1e-300 overflowed to inf and NaN; a float32 top_p of 1e-300 kept no token)."""
-    from kvcompress.serve.engine import sample
+    from kvcompress.serve.sampling import sample
 
     logits = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 3
     best = int(logits.argmax())

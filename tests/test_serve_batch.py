@@ -1,5 +1,5 @@
-"""Continuous batching (kvcompress.serve.batch / scheduler): the decode batch against each session alone on a tiny
-random model (fast), and a real server with the embedded model against the official ``openai`` client (slow)."""
+"""Continuous batching (kvcompress.serve.batch / step / scheduler): the decode batch against each session alone on a
+tiny random model (fast), and a real server with the embedded model against the official ``openai`` client (slow)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol, atol,
     """``steps`` decode steps of ``batch`` (run by ``forward``, default the model): each session's logits those
     ``alone`` (:func:`_alone`) gives it. ``rebuild_at``: before that step the batch is rebuilt with every session
     (the same shapes in new buffers, as when a session joins and another leaves)."""
-    from kvcompress.serve.batch import build, decode_step
+    from kvcompress.serve.batch import build
+    from kvcompress.serve.step import decode_step
 
     for step in range(steps):
         if step == rebuild_at:
@@ -108,7 +109,8 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(mode):
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
     from kvcompress.serve.batch import build as build_batch
-    from kvcompress.serve.batch import decode_step, session_rows
+    from kvcompress.serve.batch import session_rows
+    from kvcompress.serve.step import decode_step
     from kvcompress.serve.store import answer_view
 
     static, per_row = mode in ("static", "compiled"), mode == "per-row-offsets"
@@ -182,7 +184,7 @@ def test_a_worker_thread_gets_its_own_cudagraph_tree_state():
     keeps what is there), where inductor's own lookup then finds it."""
     from torch._inductor import cudagraph_trees
 
-    from kvcompress.serve.batch import cudagraph_state_for_this_thread
+    from kvcompress.serve.step import cudagraph_state_for_this_thread
 
     seen = {}
 
@@ -203,14 +205,15 @@ def test_a_worker_thread_gets_its_own_cudagraph_tree_state():
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers beside full ones
 @torch.no_grad()
 def test_warm_up_compiles_the_graphs_every_later_batch_uses(family):
-    """The server compiles before its first request (``batch.warm_up``: static batches of one and of two synthetic
+    """The server compiles before its first request (``step.warm_up``: static batches of one and of two synthetic
     one-row sessions): later batches of real sessions, of one to three sessions and three capacities, are steps of
     those two graphs, never captured again (a capture is seconds to minutes of a server's time)."""
     from torch._dynamo.testing import CompileCounter
 
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, decode_step, warm_up
+    from kvcompress.serve.batch import build
+    from kvcompress.serve.step import decode_step, warm_up
 
     model = tiny_model(family, dtype=torch.float32, sliding_window=8)
     use_weighted_attention(model)
@@ -240,7 +243,8 @@ def test_decode_batch_on_a_gpu_equals_each_session_alone(compile_decode):
     (not re-recorded) would read the old rows."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, compiled_forward
+    from kvcompress.serve.batch import build
+    from kvcompress.serve.step import compiled_forward
 
     model = tiny_model("llama", dtype=torch.float32, seed=6).to("cuda")
     use_weighted_attention(model)
@@ -266,7 +270,8 @@ def test_compiled_steps_with_cuda_graphs_run_in_a_worker_thread(compile_decode):
     torch before 2.13 set it up only in the importing thread), each session's logits those it gets alone."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, compiled_forward, warm_up
+    from kvcompress.serve.batch import build
+    from kvcompress.serve.step import compiled_forward, warm_up
 
     model = tiny_model("llama", dtype=torch.float32, seed=6).to("cuda")
     use_weighted_attention(model)
@@ -303,7 +308,8 @@ def test_inductor_compiled_decode_batch_equals_each_session_alone():
     6e-8 relative): logits move by ~5e-8, so 1e-6, still far below a wrong row, mask or range (O(1e-2))."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, compiled_forward
+    from kvcompress.serve.batch import build
+    from kvcompress.serve.step import compiled_forward
 
     model = tiny_model("llama", dtype=torch.float64, seed=6)
     use_weighted_attention(model)
@@ -350,7 +356,8 @@ def test_decode_batch_rows_are_masked_not_read(static):
     attends its whole capacity, so there every unused row is in the step's attention."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, decode_step, session_rows
+    from kvcompress.serve.batch import build, session_rows
+    from kvcompress.serve.step import decode_step
 
     model = tiny_model("llama", dtype=torch.float64, seed=1)
     press = make_press("compresskv_paper", 0.75, 0)
@@ -378,7 +385,8 @@ def test_a_static_batch_rebuilt_to_its_shape_keeps_its_buffers_and_each_sessions
     1e-9 as above). A session longer than the capacity is refused before anything is written."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import batch_capacity, build, decode_step
+    from kvcompress.serve.batch import batch_capacity, build
+    from kvcompress.serve.step import decode_step
 
     model = tiny_model("llama", dtype=torch.float64, seed=3)
     use_weighted_attention(model)
@@ -422,7 +430,8 @@ def test_a_static_batch_folds_each_rows_new_value_into_its_clip_range():
     every new value lies outside it, one step gives both batches the same ranges and the same logits."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.batch import build, decode_step, session_rows
+    from kvcompress.serve.batch import build, session_rows
+    from kvcompress.serve.step import decode_step
 
     model = tiny_model("llama", dtype=torch.float64, seed=1)
     press = make_press("compresskv_paper", 0.75, 0)
@@ -455,7 +464,9 @@ def test_a_step_copies_to_the_device_once_and_a_failed_step_leaves_the_batch_as_
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
     from kvcompress.serve import batch as batch_module
-    from kvcompress.serve.batch import build, decode_step, session_rows
+    from kvcompress.serve import step as step_module
+    from kvcompress.serve.batch import build, session_rows
+    from kvcompress.serve.step import decode_step
 
     model = tiny_model("llama", dtype=torch.float64, seed=2)
     press = make_press("compresskv_paper", 0.75, 0)
@@ -467,7 +478,7 @@ def test_a_step_copies_to_the_device_once_and_a_failed_step_leaves_the_batch_as_
     made_here, real_tensor = [], torch.tensor
 
     def counting_tensor(*args, **kwargs):
-        if sys._getframe(1).f_code.co_filename == batch_module.__file__:
+        if sys._getframe(1).f_code.co_filename in (batch_module.__file__, step_module.__file__):
             made_here.append(args[0])
         return real_tensor(*args, **kwargs)
 

@@ -20,21 +20,19 @@ A step appends one row per session in place (``index_put`` at each row's own len
 host and on the device, advanced once per step: the step's only host-to-device copy is made before its first kernel
 (a blocking copy in each layer would wait for the layers queued before it). The capacity ``C`` is reserved up front
 for every session's whole answer (question + ``max_tokens``), so a step never reallocates; the batch is rebuilt
-only when a session joins or leaves. Built ``static`` (for :func:`compiled_forward`'s compiled steps), a batch
-attends its whole capacity every step, each row bounded by its own length on the device (mask, causal offset and
-clip-range fold: :meth:`BatchLayer.attention_inputs`), so no step changes a shape or a Python value the graph reads:
-one graph serves every step, and with the batch and capacity sizes symbolic, every later batch.
+only when a session joins or leaves. Built ``static`` (for the compiled steps of
+:func:`~kvcompress.serve.step.compiled_forward`), a batch attends its whole capacity every step, each row bounded by
+its own length on the device (mask, causal offset and clip-range fold: :meth:`BatchLayer.attention_inputs`), so no
+step changes a shape or a Python value the graph reads: one graph serves every step, and with the batch and capacity
+sizes symbolic, every later batch.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcompress.cache import WeightedLayer, tag_layer
@@ -99,7 +97,7 @@ class RowCounts:
         self.visible = torch.arange(self.width, device=self.tensor.device) <= self.tensor[:, None]
         self.mask = self.visible if min(self.host) + 1 < self.width else None
         if self.static:
-            _dynamic(self.visible, 0, 1)
+            mark_dynamic(self.visible, 0, 1)
         self._windowed = {}
 
     def windowed(self, window: int) -> torch.Tensor:
@@ -318,14 +316,13 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
             for tensor in (keys, values, weights, v_min, v_max):
                 torch._dynamo.mark_static_address(tensor, guard=False)
             for tensor in (keys, values, weights):
-                _dynamic(tensor, 0, 2)
+                mark_dynamic(tensor, 0, 2)
             for tensor in (v_min, v_max, counts.tensor, counts.batch_index):
-                _dynamic(tensor, 0)
+                mark_dynamic(tensor, 0)
         layers.append(BatchLayer(keys, values, weights, v_min, v_max, counts, window, per_row_offsets))
     return DecodeBatch(layers)
 
 
-COMPILE_BACKENDS = ("off", "inductor", "cudagraphs", "eager")
 STATIC_CAPACITY_STEP = 256  # a static batch's capacity, rounded up: few distinct shapes, so buffers are reused
 
 
@@ -336,84 +333,9 @@ def batch_capacity(rows: int, static: bool) -> int:
     return rows if not static else -(-rows // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
 
 
-def _dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
+def mark_dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
     """Compile ``dims`` (batch size, capacity) as symbolic sizes from the first graph on, and only those: the heads
     and head dims stay constants, so no size of one batch can coincide with them and specialise the graph."""
     for dim in dims:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
     return tensor
-
-
-def compiled_forward(model, backend: str):
-    """``model.forward`` compiled for decode steps over static batches (``build(..., static=True)``), or None for
-    ``"off"``. One graph per step (``fullgraph=True``), the batch and capacity sizes symbolic: a batch of one and
-    every larger batch take one graph each (:func:`warm_up` compiles both). ``"inductor"``: on CUDA with
-    ``mode="reduce-overhead"`` (CUDA graphs, so a step is a few launches, not a few hundred); ``"cudagraphs"`` (CUDA
-    only): CUDA graphs without inductor's code generation (compiles in seconds); ``"eager"``: the capture alone
-    (checks; no speed-up)."""
-    if backend not in COMPILE_BACKENDS:
-        raise ValueError(f"compile_decode: choose from {', '.join(COMPILE_BACKENDS)}, got {backend!r}")
-    if backend == "off":
-        return None
-    if backend == "cudagraphs" and model.device.type != "cuda":
-        raise ValueError(f"compile_decode: 'cudagraphs' needs the model on a CUDA device, got {model.device}")
-    mode = "reduce-overhead" if backend == "inductor" and model.device.type == "cuda" else None
-    return torch.compile(model.forward, fullgraph=True, backend=backend, mode=mode)
-
-
-def cudagraph_state_for_this_thread() -> None:
-    """Set up this thread's CUDA-graph-tree state if torch has not. Before torch 2.13 that state lives in thread-local
-    storage stashed only in the thread that imported torch's inductor (pytorch/pytorch#123177), so a compiled step
-    with CUDA graphs asserted in any other Python thread, such as the server's worker; torch 2.13 sets it up lazily,
-    as this does."""
-    if not torch._C._is_key_in_tls("tree_manager_containers"):
-        torch._C._stash_obj_in_tls("tree_manager_containers", {})
-        torch._C._stash_obj_in_tls("tree_manager_locks", collections.defaultdict(threading.Lock))
-
-
-def warm_up(model, forward) -> None:
-    """Compile ``forward`` (:func:`compiled_forward`) for every later static batch: one step of a batch of one session
-    and one of two, each a single row from a one-token prefill with the model's own cache layers (sliding windows
-    included, so these batches have the layers real sessions give). Dynamo specialises a batch of one; two and more
-    share one graph with symbolic sizes, so later batches of any size and capacity compile nothing."""
-    if model.device.type == "cuda":
-        cudagraph_state_for_this_thread()  # the server calls this in its worker thread, where every step runs
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=cache,
-          logits_to_keep=1)
-    rows = session_rows(cache)
-    for size in (1, 2):
-        decode_step(model, build(None, [], [rows] * size, 2, static=True), [0] * size, [1] * size, forward)
-
-
-def decode_step(model, batch: DecodeBatch, tokens: list[int], positions: list[int], forward=None) -> torch.Tensor:
-    """One decode step of every session: ``tokens[b]`` at token position ``positions[b]``; logits ``[B, vocab]``
-    (the model's dtype). Appends one row per session to ``batch``. One host-to-device copy (the step's tokens,
-    positions and cache position), made before any kernel of the step is queued. ``forward``: what runs the model
-    (default ``model`` itself; a compiled ``model.forward`` over a static batch)."""
-    device = batch.layers[0].device
-    counts = batch.row_counts()
-    for each in counts:
-        each.begin_step()
-    first = batch.layers[0].counts
-    width, size = first.width, len(tokens)
-    step = torch.tensor([*tokens, *positions, width - 1], device=device)
-    inputs = dict(input_ids=step[:size, None], position_ids=step[size : 2 * size, None],
-                  attention_mask=first.visible[:, None, None, :],  # an sdpa-only layer's (weighted: key_mask)
-                  cache_position=step[2 * size :])
-    if forward is not None:  # copies, not views of ``step``: a view's storage offset (the batch size) would be
-        for name in ("input_ids", "position_ids", "cache_position"):  # compiled in (``visible`` starts at 0)
-            inputs[name] = inputs[name].clone()
-        _dynamic(inputs["input_ids"], 0)
-        _dynamic(inputs["position_ids"], 0)
-        _dynamic(inputs["attention_mask"], 0, 3)
-    try:
-        out = (forward or model)(**inputs, past_key_values=batch, logits_to_keep=1, use_cache=True)
-    except BaseException:
-        for each in counts:
-            each.end_step(appended=False)
-        raise
-    for each in counts:
-        each.end_step()
-    logits = out.logits[:, -1]
-    return logits if forward is None else logits.clone()  # a CUDA graph's output is overwritten by its next replay

@@ -17,7 +17,7 @@ EPILOG = """example:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvcompress.serve.batch import COMPILE_BACKENDS
+    from kvcompress.serve.step import COMPILE_BACKENDS
 
     p = argparse.ArgumentParser(
         prog="kvcompress serve", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -21,17 +21,10 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress.hf_attention import use_weighted_attention
-from kvcompress.serve.batch import (
-    STATIC_CAPACITY_STEP,
-    RowSource,
-    batch_capacity,
-    build,
-    compiled_forward,
-    decode_step,
-    session_rows,
-    warm_up,
-)
+from kvcompress.serve.batch import STATIC_CAPACITY_STEP, RowSource, batch_capacity, build, session_rows
 from kvcompress.serve.metrics import ServerMetrics
+from kvcompress.serve.sampling import StopText, sample
+from kvcompress.serve.step import compiled_forward, decode_step, warm_up
 from kvcompress.serve.store import ContextStore, answer_view
 
 log = logging.getLogger("kvcompress.serve")
@@ -335,12 +328,12 @@ class Engine:
         return build(kept, keep, new, capacity, static=self.decode_forward is not None)
 
     def decode(self, batch, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step of ``batch`` (:func:`kvcompress.serve.batch.decode_step`), compiled or eager."""
+        """One decode step of ``batch`` (:func:`kvcompress.serve.step.decode_step`), compiled or eager."""
         return decode_step(self.model, batch, tokens, positions, forward=self.decode_forward)
 
     def warm_up(self) -> None:
         """Compile the decode step before the first request (with ``compile_decode``; the scheduler's thread calls it
-        first: :func:`kvcompress.serve.batch.warm_up`), then set :attr:`ready` (``/health`` answers 503 until then).
+        first: :func:`kvcompress.serve.step.warm_up`), then set :attr:`ready` (``/health`` answers 503 until then).
         If compiling fails, the steps run eager, and the log says why."""
         if self.decode_forward is None:
             self.ready.set()
@@ -387,41 +380,3 @@ class Engine:
             count += 1
         new, session.reported = session.logprobs[session.reported:count], count
         return new
-
-
-class StopText:
-    """Where a growing text may be sent: before any stop string, holding back a tail that could start one
-    (and an unfinished UTF-8 character)."""
-
-    def __init__(self, stop: list[str]):
-        self.stop = [s for s in stop if s]
-        self.stopped = False
-
-    def cut(self, text: str) -> tuple[int, bool]:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            return min(hits), True
-        safe = len(text)
-        while safe > 0 and text[safe - 1] == "\ufffd":
-            safe -= 1
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
-        return safe, False
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else a draw from softmax(logits / temperature) restricted to the top-p mass."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    scaled = logits.double().cpu()
-    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1)  # float64, max first: any temperature > 0
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < top_p  # the smallest set whose mass reaches top_p
-        keep[0] = True  # the likeliest token always (a top_p below every rounding keeps it alone)
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))

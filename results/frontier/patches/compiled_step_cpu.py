@@ -24,7 +24,8 @@ from transformers import DynamicCache  # noqa: E402
 from kvcompress.hf_attention import use_weighted_attention  # noqa: E402
 from kvcompress.models import load_model  # noqa: E402
 from kvcompress.registry import make_press  # noqa: E402
-from kvcompress.serve.batch import build, compiled_forward, decode_step, session_rows, warm_up  # noqa: E402
+from kvcompress.serve.batch import build, session_rows  # noqa: E402
+from kvcompress.serve.step import compiled_forward, decode_step, warm_up  # noqa: E402
 
 
 def main() -> None:

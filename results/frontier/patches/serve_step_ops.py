@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from kvcompress.hf_attention import use_weighted_attention  # noqa: E402
 from kvcompress.registry import make_press  # noqa: E402
-from kvcompress.serve.batch import build, decode_step, session_rows  # noqa: E402
+from kvcompress.serve.batch import build, session_rows  # noqa: E402
+from kvcompress.serve.step import decode_step  # noqa: E402
 from tests.test_serve_batch import _sessions  # noqa: E402
 from tests.tiny_models import tiny_model  # noqa: E402
 
