@@ -23,7 +23,7 @@ from kvcompress.reference import (
     record_prefill,
     spread_pieces,
 )
-from kvcompress.weighted_press import WeightedSubsetPress
+from kvcompress.weighted_press import RowPlan, WeightedSubsetPress
 
 SELECTIONS = ("attention", "hybrid", "rpnys")
 SCORE_POOLINGS = ("sum", "max")
@@ -60,6 +60,12 @@ class CompressKVPress(WeightedSubsetPress):
     configuration, ``CompressKVPress.kvzip()`` KVzip's scoring, ``CompressKVPress.thorough()`` the repeat pass with max
     pooling for contexts asked many questions, ``CompressKVPress.balanced()`` the default plus a repeat pass over the
     most novel quarter of the context.
+    ``retrieval_layers``: layers whose middle gets ``retrieval_rows`` times the uniform row count (at most the whole
+    middle), the other full-attention layers giving up an equal share each, so the cache's total rows stay the same up
+    to rounding; in those layers the priors keep their uniform row counts and the extra rows go to the query sources.
+    For a model with a layer that reads facts back (on SmolLM2-135M-Instruct, layer 18: without the priors there no
+    needle is found), whose rows must hold both the facts and the text a continuation copies (docs/BENCHMARKS.md,
+    "The worst continuation context").
     """
 
     sink_size: int = 4
@@ -84,6 +90,8 @@ class CompressKVPress(WeightedSubsetPress):
     novelty_share: float = 0.5
     novelty_value_norm: bool = True
     induction_share: float = 0.25
+    retrieval_layers: tuple[int, ...] = ()
+    retrieval_rows: float = 2.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,6 +121,14 @@ class CompressKVPress(WeightedSubsetPress):
         if not isinstance(self.novelty_value_norm, bool):
             raise ValueError(f"novelty_value_norm: must be True or False, got {self.novelty_value_norm!r}")
         check_number("induction_share", self.induction_share, 0, 1)
+        if isinstance(self.retrieval_layers, (str, bytes)) or not isinstance(self.retrieval_layers, (tuple, list)):
+            raise ValueError(f"retrieval_layers: must be a list of layer indices, got {self.retrieval_layers!r}")
+        self.retrieval_layers = tuple(self.retrieval_layers)
+        for layer in self.retrieval_layers:
+            check_int_range("retrieval_layers", layer, 0)
+        if len(set(self.retrieval_layers)) != len(self.retrieval_layers):
+            raise ValueError(f"retrieval_layers: must be distinct layer indices, got {self.retrieval_layers!r}")
+        check_number("retrieval_rows", self.retrieval_rows, 1)
         for name, low in (
             ("observation_window", 1),
             ("pool_kernel", 1),
@@ -208,6 +224,40 @@ class CompressKVPress(WeightedSubsetPress):
             novelty_values=values,
         )  # fmt: skip
 
+    def check_layers(self, windows: list[int | None]) -> None:
+        full = [index for index, window in enumerate(windows) if window is None]
+        contiguous = len(full) > 1 and full == list(range(full[0], full[-1] + 1))
+        accepted = f"{full[0]} to {full[-1]}" if contiguous else ", ".join(map(str, full)) or "none"
+        for layer in self.retrieval_layers:
+            if layer not in full:
+                raise ValueError(
+                    f"retrieval_layers: {layer} is not a full-attention layer of this {len(windows)}-layer model; "
+                    f"accepted: {accepted}"
+                )
+        if self.retrieval_layers and len(self.retrieval_layers) == len(full):
+            raise ValueError(
+                f"retrieval_layers: {self.retrieval_layers!r} names every full-attention layer, so none is left to "
+                "give up rows: name fewer (or change compression_ratio instead)"
+            )
+
+    def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
+        """``retrieval_rows`` times the uniform middle in ``retrieval_layers``; each other full-attention layer gives up
+        an equal share of the rows they gain (at least one middle row left)."""
+        if plan is None or not self.retrieval_layers:
+            return plan
+        wider = min(plan.tokens - plan.sink - plan.window, round(self.retrieval_rows * plan.middle))
+        if layer_idx in self.retrieval_layers:
+            middle = wider
+        else:
+            others = sum(window is None for window in self._windows) - len(self.retrieval_layers)
+            middle = max(1, plan.middle - round((wider - plan.middle) * len(self.retrieval_layers) / others))
+        return RowPlan(plan.tokens, plan.sink, plan.window, middle)
+
+    def _prior_rows(self, n: int, rows: int) -> int:
+        """The middle rows the priors' shares are taken of: ``rows``, but at most the uniform middle (a retrieval
+        layer's extra rows all go to the query sources)."""
+        return min(rows, self.plan(n).middle) if self.retrieval_layers else rows
+
     def _reserved_rows(self, rows: int) -> dict[str, int]:
         """Middle rows each prior reserves: ``novelty_share`` of them for novelty, then ``induction_share`` of them
         for induction, at most what novelty leaves (``novelty_share=1.0`` leaves none)."""
@@ -231,7 +281,7 @@ class CompressKVPress(WeightedSubsetPress):
             end,
             {"repeat": self.repeat_weight},
             {"window": self.pool_kernel},
-            reserved=self._reserved_rows(rows),
+            reserved=self._reserved_rows(self._prior_rows(keys.shape[-2], rows)),
         )
         if self.selection == "hybrid":
             return compress_hybrid(

@@ -124,14 +124,20 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         check_supported_model(self, model)
         use_weighted_attention(model)
         self._windows = layer_windows(model)
+        self.check_layers(self._windows)
         if self._windows and all(window is not None for window in self._windows):
             logger.warning_once(
                 f"{type(self).__name__}: every layer of this model uses a sliding window: nothing is compressed "
                 "(each layer keeps its last sliding_window - 1 tokens, as without a press)"
             )
 
+    def check_layers(self, windows: list[int | None]) -> None:
+        """Check the press's per-layer settings against the model's layers (``windows``: each layer's sliding window,
+        None for a full-attention layer); none here."""
+
     def budget(self, n: int) -> int:
-        """Rows kept per head for an n-token context (kvpress ScorerPress's count)."""
+        """Rows kept per head for an n-token context (kvpress ScorerPress's count; the same in every layer unless
+        :meth:`layer_plan` moves rows between layers)."""
         return int(n * (1 - self.compression_ratio))
 
     def plan(self, n: int) -> RowPlan | None:
@@ -148,6 +154,10 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             sink = -(-protected * sink // (sink + window))
             window = protected - sink
         return RowPlan(n, sink, window, budget - sink - window)
+
+    def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
+        """Layer ``layer_idx``'s split of a context whose uniform split is ``plan``: ``plan`` itself here."""
+        return plan
 
     def layer_seed(self, layer_idx: int) -> int | None:
         return None if self.seed is None else self.seed * 1_000_003 + layer_idx
@@ -322,6 +332,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             )
         rows = self._real_rows(batch, n, layer.keys.device)
         plans = [self.plan(n)] * batch if rows is None else [self.plan(len(index)) for index in rows]
+        plans = [self.layer_plan(plan, module.layer_idx) for plan in plans]
         if all(plan is None for plan in plans):
             if self.budget(n) < 1:
                 logger.warning_once(f"{type(self).__name__}: a {n}-token context keeps 0 rows; left uncompressed")

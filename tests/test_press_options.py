@@ -296,6 +296,13 @@ def compressed_cache_embeds(model, press, embeds) -> DynamicCache:
         (dict(compression_ratio=1.0), "compression_ratio"),
         (dict(compression_ratio="half"), "compression_ratio"),
         (dict(seed=1.5), "seed"),
+        (dict(retrieval_layers=18), "retrieval_layers"),
+        (dict(retrieval_layers="18"), "retrieval_layers"),
+        (dict(retrieval_layers=[-1]), "retrieval_layers"),
+        (dict(retrieval_layers=[1.0]), "retrieval_layers"),
+        (dict(retrieval_layers=[3, 3]), "retrieval_layers"),
+        (dict(retrieval_rows=0.5), "retrieval_rows"),
+        (dict(retrieval_rows=float("nan")), "retrieval_rows"),
     ],
 )
 def test_bad_options_get_one_line_errors_naming_them(kwargs, name):

@@ -1,0 +1,130 @@
+"""CompressKVPress(retrieval_layers=...): more middle rows in the named layers, the same total, the priors' counts kept
+there; the caches it makes (one row count per layer) through generate, a static cache and the server's batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kvcompress.presses as presses
+from kvcompress import CompressKVPress
+from kvcompress.static_cache import StaticWeightedCache
+from tests.test_padding import answer, prefill, random_ids
+from tests.test_press_options import compressed_cache, tokens
+from tests.tiny_models import tiny_model
+
+CONTEXT = 320
+
+
+def press(**options) -> CompressKVPress:
+    return CompressKVPress(compression_ratio=0.75, seed=3, window_size=16, **options)
+
+
+def test_named_layers_get_more_middle_rows_the_others_give_them_up_and_the_priors_keep_their_counts(monkeypatch):
+    """4 layers, a 320-token context at 25% kept: 80 rows a head, 4 sink + 16 window + a middle of 60. Layer 1 gets
+    twice the middle (120); the 3 others give up 60 / 3 = 20 middle rows each (40): 140 + 3 x 60 = 4 x 80 rows.
+    The priors' reserved counts in layer 1 are the uniform press's (the 60 extra rows go to the window's attention);
+    in the others they are shares of the 40 rows left."""
+    reserved: dict[str, list] = {"uniform": [], "retrieval": []}
+    mixed_scores = presses.mixed_scores
+    label = "uniform"
+
+    def recording(*args, **kwargs):
+        reserved[label].append(kwargs["reserved"])
+        return mixed_scores(*args, **kwargs)
+
+    monkeypatch.setattr(presses, "mixed_scores", recording)
+    model = tiny_model("llama", num_hidden_layers=4)
+    context = tokens(CONTEXT, 1)
+    uniform = compressed_cache(model, press(), context)
+    label = "retrieval"
+    moved = compressed_cache(model, press(retrieval_layers=(1,)), context)
+    assert [layer.keys.shape[-2] for layer in uniform.layers] == [80] * 4
+    assert [layer.keys.shape[-2] for layer in moved.layers] == [60, 140, 60, 60]
+    for layer in moved.layers:  # a weight per row, and the sink and window kept exact (weight 1)
+        assert layer.row_weights.shape[-1] == layer.keys.shape[-2]
+        assert torch.equal(layer.row_weights[..., :4], torch.ones_like(layer.row_weights[..., :4]))
+        assert torch.equal(layer.row_weights[..., -16:], torch.ones_like(layer.row_weights[..., -16:]))
+    assert reserved["retrieval"][1] == reserved["uniform"][1] == {"novelty": 30, "induction": 15}
+    assert reserved["retrieval"][0] == {"novelty": 20, "induction": 10}
+
+
+def test_a_factor_of_one_keeps_the_uniform_cache_bit_for_bit():
+    """retrieval_rows=1.0 moves no row: the press's math is the default's, so its cache is the same."""
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    context = tokens(CONTEXT, 2)
+    expected = compressed_cache(model, press(), context)
+    got = compressed_cache(model, press(retrieval_layers=[2], retrieval_rows=1.0), context)
+    for layer, twin in zip(got.layers, expected.layers, strict=True):
+        assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values)
+        assert torch.equal(layer.row_weights, twin.row_weights)
+
+
+@pytest.mark.parametrize(
+    "family, layers, message",
+    [
+        ("llama", (2,), r"^retrieval_layers: 2 is not a full-attention layer of this 2-layer model; accepted: 0 to 1$"),
+        ("gemma3", (0,), r"^retrieval_layers: 0 is not a full-attention layer of this 3-layer model; accepted: 1$"),
+        ("llama", (0, 1), r"^retrieval_layers: \(0, 1\) names every full-attention layer"),
+    ],
+)
+def test_layers_the_model_does_not_have_are_refused_before_the_prefill(family, layers, message):
+    model = tiny_model(family)
+    with pytest.raises(ValueError, match=message), press(retrieval_layers=layers)(model):
+        pass
+    assert not any(module._forward_hooks for module in model.modules())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_on_a_static_cache_equals_the_dynamic_one(padded):
+    """Layers of different row counts (and, padded, batch rows of different lengths) through generate: the static
+    copy answers as the dynamic cache does."""
+    from kvcompress.padding import pad_rows
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    contexts = [random_ids(n, seed=n) for n in ((300, 90, 170) if padded else (260,))]
+    ids, mask = pad_rows(contexts, "left") if padded else (contexts[0], None)
+    question = random_ids(5, seed=99).expand(len(contexts), -1)
+    cache = prefill(model, press(retrieval_layers=(1,)), ids, mask)
+    rows = [layer.keys.shape[-2] for layer in cache.layers]
+    assert rows[1] > rows[0] == rows[2]
+    expected = answer(model, copy.deepcopy(cache), ids, mask, question)
+    got = answer(model, StaticWeightedCache.from_compressed(cache, max_new_tokens=16), ids, mask, question)
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_the_servers_decode_batch_equals_each_session_alone():
+    """The server's batch gives each layer its own row counts (one RowCounts per distinct lengths): two sessions
+    compressed with a retrieval layer, float64, each step's logits those of the session alone (1e-9: see
+    test_serve_batch's joins-and-leaves test)."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.serve.batch import build, session_rows
+    from kvcompress.serve.step import decode_step
+    from kvcompress.serve.store import answer_view
+    from tests.test_serve_batch import _alone, _sessions
+
+    model = tiny_model("llama", dtype=torch.float64, num_hidden_layers=3)
+    use_weighted_attention(model)
+    sessions = _sessions(model, press(retrieval_layers=(2,)), [(300, 5, True), (420, 7, True)])
+    assert len({layer.keys.shape[-2] for layer in sessions[0][2].layers}) == 2
+    steps = 4
+    alone = [_alone(model, *session, steps) for session in sessions]
+    batch, positions, last = None, [], []
+    for ctx, question, cache in sessions:
+        view = answer_view(cache)
+        n, m = ctx.shape[1], question.shape[1]
+        out = model(input_ids=question, past_key_values=view, position_ids=torch.arange(n, n + m)[None],
+                    logits_to_keep=1)  # fmt: skip
+        batch = build(batch, list(range(len(positions))), [session_rows(view)], 480)
+        positions.append(n + m)
+        last.append(out.logits[0, -1])
+    for step in range(steps):
+        tokens_now = [int(logits.argmax()) for logits in last]
+        logits = decode_step(model, batch, tokens_now, [p + step for p in positions])
+        for index, expected in enumerate(alone):
+            torch.testing.assert_close(logits[index], expected[step + 1], rtol=0, atol=1e-9)
+        last = list(logits)
