@@ -108,6 +108,17 @@ def test_cli_rejects_bad_flags_before_loading_the_model(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
+def test_cli_rejects_a_layer_the_model_does_not_have_before_serving(capsys):
+    """retrieval_layers is checked against the loaded model's layers: one error line, no server started."""
+    from kvcompress.serve.cli import main
+
+    assert main(["--press-option", "retrieval_layers=[99]", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("kvcompress serve: error: --press-option: retrieval_layers: 99 is not a full-attention layer of "
+                   "this 30-layer model; accepted: 0 to 29")
+
+
 def test_decode_per_prefill_flag_documents_the_schedulers_default_and_range(capsys):
     from kvcompress.serve.cli import build_parser
     from kvcompress.serve.scheduler import DECODE_PER_PREFILL, MAX_DECODE_PER_PREFILL

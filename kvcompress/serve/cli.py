@@ -172,6 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(err).splitlines()[0].removeprefix("model: ")
         print(f"kvcompress serve: error: --model: {message}", file=sys.stderr)
         return 2
+    if press is not None and hasattr(press, "check_layers"):  # settings that depend on the model's layers
+        from kvcompress.window import layer_windows
+
+        try:
+            press.check_layers(layer_windows(model))
+        except ValueError as err:
+            print(f"kvcompress serve: error: --press-option: {err}", file=sys.stderr)
+            return 2
     served = args.served_model_name or (EMBEDDED_MODEL if args.model is None else Path(args.model.rstrip("/")).name
                                         if Path(args.model).exists() else args.model)
     metrics = ServerMetrics()
