@@ -7,13 +7,15 @@ the uniform middle (at most the whole middle), every other layer's middle cut by
 (the cache's total rows unchanged up to rounding). The novelty and induction priors keep their uniform row counts in
 the BIG layers; the extra rows go to the window's attention. Why: on the embedded model layer 18 is where both the
 planted facts (the priors' rows; with no priors there, niah-s drops from 100 to 0) and the continuation's copied
-identifiers (the window's rows; SnapKV's layer 18 alone closes half the worst context's KL gap) are read."""
+identifiers (the window's rows; SnapKV's layer 18 alone closes half the worst context's KL gap) are read.
+The library has this rule since 6449236: `CompressKVPress(retrieval_layers=(18,), retrieval_rows=2.0)`."""
 import os
 import sys
 
+from _pilot import run
+
 import kvcompress.presses as pr
 import kvcompress.weighted_press as wp
-from kvcompress.cli import main as cli_main
 
 BIG = {int(x) for x in os.environ.get("BIG", "18").split(",") if x}
 FACTOR = float(os.environ.get("FACTOR", "2"))
@@ -41,8 +43,4 @@ def patched_reserved_rows(self, rows):
 wp.WeightedSubsetPress._compress_rows = patched_compress_rows
 pr.CompressKVPress._reserved_rows = patched_reserved_rows
 
-if sys.argv[1] == "fidelity":
-    sys.path.insert(0, ".")  # run from the repository root
-    from eval.fidelity import main as fid
-    sys.exit(fid(sys.argv[2:]))
-sys.exit(cli_main(sys.argv[1:]))
+sys.exit(run(sys.argv[1:]))
