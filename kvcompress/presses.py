@@ -6,7 +6,7 @@ batches, the repeat pass) and only say how the middle of a context is replaced.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,7 +65,8 @@ class CompressKVPress(WeightedSubsetPress):
     to rounding; in those layers the priors keep their uniform row counts and the extra rows go to the query sources.
     For a model with a layer that reads facts back (on SmolLM2-135M-Instruct, layer 18: without the priors there no
     needle is found), whose rows must hold both the facts and the text a continuation copies (docs/BENCHMARKS.md,
-    "The worst continuation context").
+    "The worst continuation context"). ``"auto"``: the layers ``kvcompress calibrate`` found for the model
+    (:mod:`kvcompress.calibration`; shipped for the embedded model), none for a model without a calibration.
     """
 
     sink_size: int = 4
@@ -90,8 +91,9 @@ class CompressKVPress(WeightedSubsetPress):
     novelty_share: float = 0.5
     novelty_value_norm: bool = True
     induction_share: float = 0.25
-    retrieval_layers: tuple[int, ...] = ()
+    retrieval_layers: tuple[int, ...] | str = ()
     retrieval_rows: float = 2.0
+    _retrieval: tuple = field(default=(), init=False, repr=False, compare=False)  # the layers in use
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,13 +123,17 @@ class CompressKVPress(WeightedSubsetPress):
         if not isinstance(self.novelty_value_norm, bool):
             raise ValueError(f"novelty_value_norm: must be True or False, got {self.novelty_value_norm!r}")
         check_number("induction_share", self.induction_share, 0, 1)
-        if isinstance(self.retrieval_layers, (str, bytes)) or not isinstance(self.retrieval_layers, (tuple, list)):
-            raise ValueError(f"retrieval_layers: must be a list of layer indices, got {self.retrieval_layers!r}")
-        self.retrieval_layers = tuple(self.retrieval_layers)
-        for layer in self.retrieval_layers:
-            check_int_range("retrieval_layers", layer, 0)
-        if len(set(self.retrieval_layers)) != len(self.retrieval_layers):
-            raise ValueError(f"retrieval_layers: must be distinct layer indices, got {self.retrieval_layers!r}")
+        if self.retrieval_layers != "auto":
+            if isinstance(self.retrieval_layers, (str, bytes)) or not isinstance(self.retrieval_layers, (tuple, list)):
+                raise ValueError(
+                    f"retrieval_layers: must be a list of layer indices or 'auto', got {self.retrieval_layers!r}"
+                )
+            self.retrieval_layers = tuple(self.retrieval_layers)
+            for layer in self.retrieval_layers:
+                check_int_range("retrieval_layers", layer, 0)
+            if len(set(self.retrieval_layers)) != len(self.retrieval_layers):
+                raise ValueError(f"retrieval_layers: must be distinct layer indices, got {self.retrieval_layers!r}")
+        self._retrieval = () if self.retrieval_layers == "auto" else self.retrieval_layers
         check_number("retrieval_rows", self.retrieval_rows, 1)
         for name, low in (
             ("observation_window", 1),
@@ -224,39 +230,54 @@ class CompressKVPress(WeightedSubsetPress):
             novelty_values=values,
         )  # fmt: skip
 
-    def check_layers(self, windows: list[int | None]) -> None:
+    def check_model(self, model, windows: list[int | None]) -> None:
+        """Resolve ``retrieval_layers="auto"`` from the model's calibration (:func:`kvcompress.calibration.find`; none
+        found: no retrieval layers) and check the layers against the model's full-attention ones."""
+        source = ""
+        if self.retrieval_layers == "auto":
+            from kvcompress.calibration import find
+
+            found = find(model)
+            self._retrieval = found.retrieval_layers if found is not None else ()
+            source = f" (from the calibration of {found.model})" if found is not None else ""
         full = [index for index, window in enumerate(windows) if window is None]
         contiguous = len(full) > 1 and full == list(range(full[0], full[-1] + 1))
         accepted = f"{full[0]} to {full[-1]}" if contiguous else ", ".join(map(str, full)) or "none"
-        for layer in self.retrieval_layers:
+        for layer in self._retrieval:
             if layer not in full:
                 raise ValueError(
-                    f"retrieval_layers: {layer} is not a full-attention layer of this {len(windows)}-layer model; "
-                    f"accepted: {accepted}"
+                    f"retrieval_layers: {layer}{source} is not a full-attention layer of this {len(windows)}-layer "
+                    f"model; accepted: {accepted}"
                 )
-        if self.retrieval_layers and len(self.retrieval_layers) == len(full):
+        if self._retrieval and len(self._retrieval) == len(full):
             raise ValueError(
-                f"retrieval_layers: {self.retrieval_layers!r} names every full-attention layer, so none is left to "
-                "give up rows: name fewer (or change compression_ratio instead)"
+                f"retrieval_layers: {self._retrieval!r}{source} names every full-attention layer, so none is left "
+                "to give up rows: name fewer (or change compression_ratio instead)"
             )
+
+    @property
+    def active_retrieval_layers(self) -> tuple[int, ...]:
+        """The retrieval layers in use: ``retrieval_layers``, or for ``"auto"`` those of the model's calibration
+        (known once the press has met the model: ``with press(model)`` or :meth:`check_model`)."""
+        return self._retrieval
 
     def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
         """``retrieval_rows`` times the uniform middle in ``retrieval_layers``; each other full-attention layer gives up
         an equal share of the rows they gain (at least one middle row left)."""
-        if plan is None or not self.retrieval_layers:
+        if plan is None or not self._retrieval:
             return plan
         wider = min(plan.tokens - plan.sink - plan.window, round(self.retrieval_rows * plan.middle))
-        if layer_idx in self.retrieval_layers:
+        if layer_idx in self._retrieval:
             middle = wider
         else:
-            others = sum(window is None for window in self._windows) - len(self.retrieval_layers)
-            middle = max(1, plan.middle - round((wider - plan.middle) * len(self.retrieval_layers) / others))
+            others = sum(window is None for window in self._windows) - len(self._retrieval)
+            middle = max(1, plan.middle - round((wider - plan.middle) * len(self._retrieval) / others))
         return RowPlan(plan.tokens, plan.sink, plan.window, middle)
 
     def _prior_rows(self, n: int, rows: int) -> int:
         """The middle rows the priors' shares are taken of: ``rows``, but at most the uniform middle (a retrieval
         layer's extra rows all go to the query sources)."""
-        return min(rows, self.plan(n).middle) if self.retrieval_layers else rows
+        return min(rows, self.plan(n).middle) if self._retrieval else rows
 
     def _reserved_rows(self, rows: int) -> dict[str, int]:
         """Middle rows each prior reserves: ``novelty_share`` of them for novelty, then ``induction_share`` of them

@@ -124,16 +124,16 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         check_supported_model(self, model)
         use_weighted_attention(model)
         self._windows = layer_windows(model)
-        self.check_layers(self._windows)
+        self.check_model(model, self._windows)
         if self._windows and all(window is not None for window in self._windows):
             logger.warning_once(
                 f"{type(self).__name__}: every layer of this model uses a sliding window: nothing is compressed "
                 "(each layer keeps its last sliding_window - 1 tokens, as without a press)"
             )
 
-    def check_layers(self, windows: list[int | None]) -> None:
-        """Check the press's per-layer settings against the model's layers (``windows``: each layer's sliding window,
-        None for a full-attention layer); none here."""
+    def check_model(self, model: PreTrainedModel, windows: list[int | None]) -> None:
+        """Check (and resolve) the press's per-layer settings against the model's layers (``windows``: each layer's
+        sliding window, None for a full-attention layer); none here."""
 
     def budget(self, n: int) -> int:
         """Rows kept per head for an n-token context (kvpress ScorerPress's count; the same in every layer unless

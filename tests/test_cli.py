@@ -53,7 +53,7 @@ def test_serve_subcommand_reaches_the_server_cli(tmp_path):
 
 def test_bad_subcommand_or_flag_is_one_error_line(capsys):
     assert cli.main(["nope"]) == 2
-    assert capsys.readouterr().err == "error: unknown command 'nope'; choose from eval, serve\n"
+    assert capsys.readouterr().err == "error: unknown command 'nope'; choose from eval, calibrate, serve\n"
     assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err
     argv = list(sys.argv)
     assert cli.main(["eval", "--ratio", "0"]) == 2

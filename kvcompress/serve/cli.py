@@ -172,11 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(err).splitlines()[0].removeprefix("model: ")
         print(f"kvcompress serve: error: --model: {message}", file=sys.stderr)
         return 2
-    if press is not None and hasattr(press, "check_layers"):  # settings that depend on the model's layers
+    if press is not None and hasattr(press, "check_model"):  # settings that depend on the model's layers
         from kvcompress.window import layer_windows
 
         try:
-            press.check_layers(layer_windows(model))
+            press.check_model(model, layer_windows(model))
         except ValueError as err:
             print(f"kvcompress serve: error: --press-option: {err}", file=sys.stderr)
             return 2

@@ -1,0 +1,247 @@
+"""Which layers of a model read facts back: the calibration behind ``CompressKVPress(retrieval_layers="auto")``.
+
+In most layers the default press's query-free priors (novelty, induction) can be switched off without losing a fact
+asked after the context; in a model's retrieval layers (the retrieval heads of Wu et al., "Retrieval Head
+Mechanistically Explains Long-Context Factuality", arXiv 2404.15574) they cannot. On SmolLM2-135M-Instruct,
+layer 18 alone: without the priors there, no needle is found (docs/BENCHMARKS.md, "The worst continuation
+context"). Those layers must hold both the facts and the text a continuation copies, so the press gives them more
+rows (``retrieval_rows``).
+
+The scan (:func:`layer_drops`): per RULER-style ``niah_single`` context, one prefill under the default press and one
+with the priors off in every layer. A press compresses each layer from that layer's own keys and queries (the
+prefill's hidden states never see a compressed cache), so the default's cache with layer ``l`` taken from the second
+is exactly the cache of the default with the priors off in layer ``l`` alone. Each layer's score is the log-prob of
+the needle's digits (teacher-forced after the question) lost against the default: one prefill pair per context and
+one short forward per layer, instead of one RULER run per layer. :func:`choose` keeps the layers that lose at least
+``threshold`` nats.
+
+A calibration is a JSON file (:class:`Calibration`); ``kvcompress calibrate`` writes one into
+:func:`user_directory`, and the press's ``"auto"`` looks a model up there, then among the calibrations shipped in
+``kvcompress/calibrations/``, by the model's name and shape (:func:`model_identity`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+SHIPPED = Path(__file__).parent / "calibrations"
+THRESHOLD = 2.0  # nats of the needle's log-prob lost with the priors off in one layer: a retrieval layer
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A model's retrieval layers and the scan that found them.
+
+    ``model``: the name it is looked up by (the last part of ``config.name_or_path``); ``shape``: its layer count,
+    hidden size and attention heads (a model of the same name with another shape does not match); ``drops``: per
+    layer, the mean needle log-prob (nats) lost with the priors off there (None for a sliding-window layer);
+    ``settings``: how the scan ran (task, length, contexts, fraction kept, seed, threshold)."""
+
+    model: str
+    shape: dict
+    retrieval_layers: tuple[int, ...]
+    drops: tuple[float | None, ...]
+    settings: dict
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "calibration") -> Calibration:
+        try:
+            data = json.loads(text)
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+            layers = data["retrieval_layers"]
+            if not isinstance(layers, list) or not all(isinstance(x, int) and x >= 0 for x in layers):
+                raise ValueError(f"retrieval_layers must be a list of layer indices, got {layers!r}")
+            return cls(str(data["model"]), dict(data["shape"]), tuple(layers), tuple(data["drops"]),
+                       dict(data["settings"]))  # fmt: skip
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"calibration: {source} is not a kvcompress calibration ({err})") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Calibration:
+        return cls.from_json(Path(path).read_text(), str(path))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+
+def model_identity(model) -> tuple[str, dict]:
+    """``(name, shape)`` a calibration is filed under: the last part of ``config.name_or_path`` (lower case; ""
+    for a model built from a config) and the layer count, hidden size, attention and key-value heads."""
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    name = Path(str(getattr(model.config, "name_or_path", "") or "")).name.lower()
+    shape = {
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    }
+    return name, shape
+
+
+def user_directory() -> Path:
+    """Where ``kvcompress calibrate`` files calibrations: ``$KVCOMPRESS_CALIBRATIONS``, else the model cache's
+    ``calibrations/``."""
+    from kvcompress.models import cache_root
+
+    return Path(os.environ.get("KVCOMPRESS_CALIBRATIONS") or cache_root() / "calibrations")
+
+
+def file_name(name: str) -> str:
+    return f"{name or 'unnamed'}.json"
+
+
+def find(model) -> Calibration | None:
+    """The calibration of ``model`` (same name and shape) in :func:`user_directory`, else the shipped ones; None if
+    neither has one (a model built from a config has no name, so none)."""
+    name, shape = model_identity(model)
+    if not name:
+        return None
+    for directory in (user_directory(), SHIPPED):
+        path = directory / file_name(name)
+        if path.is_file():
+            found = Calibration.load(path)
+            if found.model == name and found.shape == shape:
+                return found
+    return None
+
+
+def choose(drops: tuple[float | None, ...], threshold: float = THRESHOLD) -> tuple[int, ...]:
+    """The layers whose needle log-prob drop is at least ``threshold`` nats, most affected first; if that would be
+    every full-attention layer, none (the press needs layers left to give up rows)."""
+    full = [i for i, d in enumerate(drops) if d is not None]
+    chosen = sorted((i for i in full if drops[i] >= threshold), key=lambda i: -drops[i])
+    return tuple(chosen) if len(chosen) < len(full) else ()
+
+
+def _answer_logprob(model, cache, context_len: int, question: torch.Tensor, answer: torch.Tensor) -> float:
+    """Log-prob of ``answer [1, a]`` teacher-forced after ``question [1, q]`` on a copy of ``cache``."""
+    ids = torch.cat([question, answer], dim=1).to(model.device)
+    positions = torch.arange(context_len, context_len + ids.shape[1], device=model.device)[None]
+    logits = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=positions).logits[0]
+    logp = torch.log_softmax(logits[question.shape[1] - 1 : -1].float(), dim=-1)
+    return logp.gather(-1, answer[0].to(model.device)[:, None]).sum().item()
+
+
+@torch.no_grad()
+def layer_drops(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts: int = 8, seed: int = 0,
+                progress=None) -> tuple[float | None, ...]:  # fmt: skip
+    """Per layer, the mean needle log-prob (nats) the default press loses with the priors off there (see the module
+    docstring), ``kept`` of each context kept; None for a sliding-window layer. ``contexts`` ``niah_single`` contexts
+    of ``length`` tokens."""
+    import kvpress  # noqa: F401  (registers the pipeline)
+    from transformers import pipeline
+
+    from kvcompress.fidelity.measure import prefill
+    from kvcompress.presses import CompressKVPress
+    from kvcompress.ruler.generator import generate
+    from kvcompress.window import layer_windows
+
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    default = CompressKVPress(compression_ratio=1 - kept, seed=seed)
+    plain = replace(default, novelty_share=0.0, induction_share=0.0)
+    windows = layer_windows(model) or [None] * model.config.num_hidden_layers
+    totals = [0.0] * len(windows)
+    asked = 0
+    for example in generate("niah_single", tokenizer, length, contexts, seed):
+        inputs = pipe.preprocess(example.context, list(example.questions), example.answer_prefix, 1 << 30)
+        ids = inputs["context_ids"]
+        with_priors, _ = prefill(model, default, ids)
+        without, _ = prefill(model, plain, ids)
+        for question, expected in zip(inputs["questions_ids"], example.answers, strict=True):
+            answer = tokenizer.encode(" " + expected[0], return_tensors="pt", add_special_tokens=False)
+            base = _answer_logprob(model, with_priors, ids.shape[1], question, answer)
+            for layer, window in enumerate(windows):
+                if window is None:
+                    mixed = copy.copy(with_priors)
+                    mixed.layers = list(with_priors.layers)
+                    mixed.layers[layer] = without.layers[layer]
+                    totals[layer] += base - _answer_logprob(model, mixed, ids.shape[1], question, answer)
+            asked += 1
+        if progress is not None:
+            progress(example.index + 1, contexts)
+    return tuple(None if w is not None else round(t / asked, 4) for t, w in zip(totals, windows, strict=True))
+
+
+def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts: int = 8, seed: int = 0,
+              threshold: float = THRESHOLD, progress=None) -> Calibration:  # fmt: skip
+    """Scan ``model`` (:func:`layer_drops`) and :func:`choose` its retrieval layers."""
+    drops = layer_drops(model, tokenizer, kept, length, contexts, seed, progress)
+    name, shape = model_identity(model)
+    settings = {"task": "niah_single", "length": length, "contexts": contexts, "kept": kept,
+                "seed": seed, "threshold": threshold}  # fmt: skip
+    return Calibration(name, shape, choose(drops, threshold), drops, settings)
+
+
+def main(argv: list[str]) -> int:
+    """``kvcompress calibrate``: scan a model, print each layer's drop, file the calibration; exit 2 on bad flags."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(
+        prog="kvcompress calibrate",
+        description="Find the layers of a model that read facts back (CompressKVPress(retrieval_layers='auto') "
+                    "gives them more rows) and file them for that model.")  # fmt: skip
+    p.add_argument("--model", help="local model directory or Hub name (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--output", help=f"the calibration file (default: {user_directory()}/<model name>.json, where "
+                                    "retrieval_layers='auto' looks first)")  # fmt: skip
+    p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction the scan compresses to (default 0.25)")
+    p.add_argument("--length", type=int, default=1024, help="tokens per scanned context (default 1024)")
+    p.add_argument("--contexts", type=int, default=8, help="niah_single contexts scanned (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the contexts (default 0)")
+    p.add_argument("--threshold", type=float, default=THRESHOLD,
+                   help=f"nats of the needle's log-prob lost that make a retrieval layer (default {THRESHOLD})")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="default auto: cuda if torch sees a GPU")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="model weights and cache (default auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    args = p.parse_args(argv)
+    if not 0 < args.ratio < 1:
+        p.error(f"--ratio: must be in (0, 1), got {args.ratio}")
+    if not args.threshold > 0:
+        p.error(f"--threshold: must be > 0, got {args.threshold}")
+    for name, value, low in (("--length", args.length, 64), ("--contexts", args.contexts, 1)):
+        if value < low:
+            p.error(f"{name}: must be an integer >= {low}, got {value}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads: must be an integer >= 1, got {args.threads}")
+
+    from kvcompress.models import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    try:
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype), device=device)
+    except (OSError, ValueError, ImportError) as err:
+        print(f"kvcompress calibrate: error: --model: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    try:
+        found = calibrate(model, tokenizer, args.ratio, args.length, args.contexts, args.seed, args.threshold,
+                          progress=lambda i, n: print(f"context {i}/{n}", file=sys.stderr, flush=True))
+    except ValueError as err:  # a length too short for the task
+        print(f"kvcompress calibrate: error: {err}", file=sys.stderr)
+        return 2
+    print("layer  needle log-prob lost (nats) with the priors off there")
+    for layer, drop in enumerate(found.drops):
+        mark = "  <- retrieval layer" if layer in found.retrieval_layers else ""
+        print(f"{layer:5d}  {'sliding window' if drop is None else f'{drop:.3f}'}{mark}")
+    path = found.save(args.output or user_directory() / file_name(found.model))
+    print(f"retrieval layers {list(found.retrieval_layers)} filed in {path}")
+    return 0
