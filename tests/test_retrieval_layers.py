@@ -13,6 +13,7 @@ from kvcompress import CompressKVPress
 from kvcompress.static_cache import StaticWeightedCache
 from tests.test_padding import answer, prefill, random_ids
 from tests.test_press_options import compressed_cache, tokens
+from tests.test_serve import pipe  # noqa: F401  (the embedded model, a fixture)
 from tests.tiny_models import tiny_model
 
 CONTEXT = 320
@@ -97,12 +98,13 @@ def test_generate_on_a_static_cache_equals_the_dynamic_one(padded):
 
 
 @torch.no_grad()
-def test_the_servers_decode_batch_equals_each_session_alone():
-    """The server's batch gives each layer its own row counts (one RowCounts per distinct lengths): two sessions
-    compressed with a retrieval layer, float64, each step's logits those of the session alone (1e-9: see
-    test_serve_batch's joins-and-leaves test)."""
+def test_the_servers_decode_batch_equals_each_session_alone_and_holds_each_layers_own_rows():
+    """The server's batch gives each layer its own row counts (one RowCounts per distinct lengths) and its own
+    capacity: two sessions compressed with a retrieval layer, float64, each step's logits those of the session
+    alone (1e-9: see test_serve_batch's joins-and-leaves test); the batch holds each layer's widest session plus
+    the answer's rows, the bytes the scheduler counts for it, not the widest layer's rows in every layer."""
     from kvcompress.hf_attention import use_weighted_attention
-    from kvcompress.serve.batch import build, session_rows
+    from kvcompress.serve.batch import batch_bytes, build, row_bytes, session_rows
     from kvcompress.serve.step import decode_step
     from kvcompress.serve.store import answer_view
     from tests.test_serve_batch import _alone, _sessions
@@ -112,6 +114,8 @@ def test_the_servers_decode_batch_equals_each_session_alone():
     sessions = _sessions(model, press(retrieval_layers=(2,)), [(300, 5, True), (420, 7, True)])
     assert len({layer.keys.shape[-2] for layer in sessions[0][2].layers}) == 2
     steps = 4
+    capacities = [max(cache.layers[i].keys.shape[-2] for _, _, cache in sessions) + 7 + steps for i in range(3)]
+    assert capacities[2] > capacities[0] == capacities[1]
     alone = [_alone(model, *session, steps) for session in sessions]
     batch, positions, last = None, [], []
     for ctx, question, cache in sessions:
@@ -119,12 +123,67 @@ def test_the_servers_decode_batch_equals_each_session_alone():
         n, m = ctx.shape[1], question.shape[1]
         out = model(input_ids=question, past_key_values=view, position_ids=torch.arange(n, n + m)[None],
                     logits_to_keep=1)  # fmt: skip
-        batch = build(batch, list(range(len(positions))), [session_rows(view)], 480)
+        batch = build(batch, list(range(len(positions))), [session_rows(view)], capacities)
         positions.append(n + m)
         last.append(out.logits[0, -1])
+    assert batch.capacities == tuple(capacities) and batch.capacity == capacities[2]
+    clip_ranges = 3 * 2 * 16 * 4 * 2  # layers x KV heads x head dim x float32, v_min and v_max
+    assert batch.nbytes() == batch_bytes(2, capacities, row_bytes(sessions[0][2]), clip_ranges)
     for step in range(steps):
         tokens_now = [int(logits.argmax()) for logits in last]
         logits = decode_step(model, batch, tokens_now, [p + step for p in positions])
         for index, expected in enumerate(alone):
             torch.testing.assert_close(logits[index], expected[step + 1], rtol=0, atol=1e-9)
         last = list(logits)
+
+
+@pytest.mark.slow
+def test_a_server_batch_with_a_retrieval_layer_answers_each_request_as_alone(pipe):  # noqa: F811
+    """The embedded model with layer 18 widened, three requests decoded together by the scheduler: each answer is
+    the one it gets alone (greedy; float32, so the batch moves logits by ~1e-5 against a lone row, as in
+    test_serve_batch), and the batch gave layer 18 more room than the others."""
+    import threading
+
+    from kvcompress.serve.engine import Engine, Job
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.protocol import Message, chat_split
+    from kvcompress.serve.store import ContextStore
+    from tests.test_serve import QUESTIONS, contexts
+
+    built = []
+    engine = Engine(pipe.model, pipe.tokenizer, model_name="m", press_label="r", store=ContextStore(10**9),
+                    press=CompressKVPress(compression_ratio=0.75, retrieval_layers=(18,)), metrics=ServerMetrics(),
+                    max_batch=4)  # fmt: skip
+    build_batch = engine.build_batch
+    engine.build_batch = lambda *args: built.append(args[-1]) or build_batch(*args)
+    try:
+        prompts = [chat_split(pipe.tokenizer, [Message(role="user", content=text + QUESTIONS[i % 2])])
+                   for i, text in enumerate(contexts(3))]  # fmt: skip
+
+        def job(context_ids, question_ids, done=None):
+            new = Job(context_ids, question_ids, max_tokens=10, temperature=0.0)
+            new.text = []
+
+            def emit(kind, *rest):
+                if kind == "text":
+                    new.text.append(rest[0])
+                elif done is not None:
+                    done.release()
+
+            new.emit = emit
+            return new
+
+        alone = []
+        for prompt in prompts:
+            alone.append(job(*prompt))
+            engine.run_alone(alone[-1])
+        done = threading.Semaphore(0)
+        together = [job(*prompt, done=done) for prompt in prompts]
+        engine.submit(together)
+        for _ in together:
+            assert done.acquire(timeout=300)
+        assert ["".join(j.text) for j in together] == ["".join(j.text) for j in alone]
+        widths = max(built[len(prompts):], key=len)  # the scheduler's batches (after the three alone)
+        assert widths[18] > max(w for i, w in enumerate(widths) if i != 18)
+    finally:
+        engine.shutdown()

@@ -857,3 +857,27 @@ def test_a_requests_choices_are_queued_all_or_none():
         assert not scheduler._waiting
     finally:
         scheduler.stop()
+
+
+def test_the_batch_capacity_is_each_layers_widest_session_an_estimate_standing_for_every_layer():
+    """Sessions reserve rows per layer (a press may give some layers more); a request not yet prefilled is one
+    estimate for every layer. The batch's bytes are each layer's capacity times a row's share of every layer."""
+    from types import SimpleNamespace
+
+    from kvcompress.serve.batch import batch_bytes
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.scheduler import Scheduler
+
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=300,
+                             batch_row_bytes=300, batch_session_bytes=10, warm_up=lambda: None,
+                             batch_capacity=lambda rows: rows, capacity_step=1)  # fmt: skip
+    scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
+    try:
+        sessions = [SimpleNamespace(need=(50, 140, 50)), SimpleNamespace(need=(90, 100, 90)), SimpleNamespace(need=())]
+        assert scheduler._capacity(sessions) == (90, 140, 90)
+        assert scheduler._capacity(sessions, (120,)) == (120, 140, 120)
+        assert scheduler._capacity([], (120,)) == (120,) and scheduler._capacity([]) == ()
+        assert scheduler._batch_bytes(2, (90, 140, 90)) == 2 * ((90 + 140 + 90) * 100 + 10)
+        assert batch_bytes(2, (120,), 300, 10) == 2 * (120 * 300 + 10) and batch_bytes(3, (), 300, 10) == 0
+    finally:
+        scheduler.stop()

@@ -20,7 +20,9 @@ A step appends one row per session in place (``index_put`` at each row's own len
 host and on the device, advanced once per step: the step's only host-to-device copy is made before its first kernel
 (a blocking copy in each layer would wait for the layers queued before it). The capacity ``C`` is reserved up front
 for every session's whole answer (question + ``max_tokens``), so a step never reallocates; the batch is rebuilt
-only when a session joins or leaves. Built ``static`` (for the compiled steps of
+only when a session joins or leaves. Each layer has its own capacity (its widest session's rows, plus the answer):
+a press that gives some layers more rows (``CompressKVPress(retrieval_layers=...)``) costs the batch what it costs
+the sessions, not the widest layer's rows in every layer. Built ``static`` (for the compiled steps of
 :func:`~kvcompress.serve.step.compiled_forward`), a batch attends its whole capacity every step, each row bounded by
 its own length on the device (mask, causal offset and clip-range fold: :meth:`BatchLayer.attention_inputs`), so no
 step changes a shape or a Python value the graph reads: one graph serves every step, and with the batch and capacity
@@ -30,6 +32,7 @@ sizes symbolic, every later batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -224,8 +227,14 @@ class DecodeBatch(Cache):
         return len(self.layers[0].lengths) if self.layers else 0
 
     @property
+    def capacities(self) -> tuple[int, ...]:
+        """Rows each layer can hold per batch row."""
+        return tuple(layer.keys.shape[-2] for layer in self.layers)
+
+    @property
     def capacity(self) -> int:
-        return self.layers[0].keys.shape[-2] if self.layers else 0
+        """The widest layer's capacity."""
+        return max(self.capacities, default=0)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers
@@ -248,30 +257,39 @@ def row_bytes(cache: Cache) -> int:
     return total
 
 
-def batch_bytes(rows: int, capacity: int, per_row: int, per_session: int) -> int:
-    """Bytes of a decode batch of ``rows`` sessions and ``capacity`` rows each (``per_session``: the clip ranges)."""
-    return rows * (capacity * per_row + per_session)
+def batch_bytes(rows: int, capacities: Sequence[int], per_row: int, per_session: int) -> int:
+    """Bytes of a decode batch of ``rows`` sessions, ``capacities`` rows each in each layer (one value: every layer);
+    ``per_row``: a row's bytes in every layer together (the layers alike: each its share), ``per_session``: the clip
+    ranges."""
+    if not capacities:
+        return 0
+    return rows * (sum(capacities) * per_row // len(capacities) + per_session)
 
 
-def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]], capacity: int,
+def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]], capacity: int | Sequence[int],
           static: bool = False, per_row_offsets: bool | None = None) -> DecodeBatch | None:
     """A new decode batch: rows ``keep`` of ``kept`` (in that order), then the sessions ``new`` (each one list of
-    :class:`RowSource` per layer), every row with room for ``capacity`` rows. None when no session is left.
+    :class:`RowSource` per layer), every row with room for ``capacity`` rows (per layer, or one for every layer).
+    None when no session is left.
     ``static``: every step attends the whole capacity (:attr:`BatchLayer.is_compileable`), for compiled steps.
     ``per_row_offsets``: eager steps bound each row by its own causal offset instead of the step's shared mask
     (:attr:`BatchLayer.row_offsets`; default: on CUDA)."""
     if not keep and not new:
         return None
-    longest = max((src.keys.shape[-2] for session in new for src in session), default=0)
-    if longest > capacity:  # before anything is written: a static batch is rebuilt in its own buffers
-        raise ValueError(f"capacity: {capacity} rows cannot hold a session of {longest} rows")
+    count = (len(kept.layers) if kept is not None else len(new[0]))
+    capacities = [capacity] * count if isinstance(capacity, int) else list(capacity)
+    if len(capacities) != count:
+        raise ValueError(f"capacity: {len(capacities)} capacities for a model of {count} layers")
+    for i, room in enumerate(capacities):  # before anything is written: a static batch is rebuilt in its own buffers
+        longest = max((session[i].keys.shape[-2] for session in new), default=0)
+        if longest > room:
+            raise ValueError(f"capacity: {room} rows cannot hold a session of {longest} rows (layer {i})")
     layers: list[BatchLayer] = []
     # One RowCounts per distinct lengths, and apart for sliding-window layers whatever their lengths: which layers
     # share one is then the model's structure, not the sessions' (a compiled step's graph depends on it)
     shared: dict[tuple, RowCounts] = {}
     index = None  # rows of ``kept`` to keep, on its device
-    count = (len(kept.layers) if kept is not None else len(new[0]))
-    for i in range(count):
+    for i, capacity in enumerate(capacities):
         old = kept.layers[i] if kept is not None and keep else None
         sources = [sess[i] for sess in new]
         ref = old if old is not None else sources[0]
@@ -308,7 +326,7 @@ def build(kept: DecodeBatch | None, keep: list[int], new: list[list[RowSource]],
             v_min[j], v_max[j] = src.v_min[0], src.v_max[0]
             lengths.append(n)
         window = old.window if old is not None else ref.window
-        key = (tuple(lengths), window is None)
+        key = (tuple(lengths), window is None, capacity if static else None)
         counts = shared.get(key)
         if counts is None:
             counts = shared[key] = RowCounts(lengths, keys.device, capacity if static else None)

@@ -116,7 +116,7 @@ class Session:
     stop: StopText
     generator: torch.Generator | None
     rows: list[RowSource] | None = None  # its cache rows until it joins the decode batch
-    need: int = 0  # batch rows reserved: rows held now + tokens still to feed
+    need: tuple[int, ...] = ()  # batch rows reserved per layer: rows held now + tokens still to feed
     ids: list[int] = field(default_factory=list)
     pending: int = -1  # the last sampled token, fed at the next step
     sent: int = 0
@@ -263,7 +263,7 @@ class Engine:
         token = job.choose(out.logits[0, -1], [], generator)
         if not self.advance(session, token, out.logits[0, -1]):
             session.rows = session_rows(cache)
-            session.need = max(r.keys.shape[-2] for r in session.rows) + job.max_tokens - len(session.ids)
+            session.need = tuple(r.keys.shape[-2] + job.max_tokens - len(session.ids) for r in session.rows)
         return session
 
     def advance(self, session: Session, token: int, logits: torch.Tensor) -> bool:
@@ -323,7 +323,7 @@ class Engine:
         """:func:`kvcompress.serve.batch.batch_capacity`: rounded up when decode steps are compiled."""
         return batch_capacity(rows, static=self.decode_forward is not None)
 
-    def build_batch(self, kept, keep: list[int], new: list[list[RowSource]], capacity: int):
+    def build_batch(self, kept, keep: list[int], new: list[list[RowSource]], capacity: tuple[int, ...]):
         """:func:`kvcompress.serve.batch.build`, static when decode steps are compiled."""
         return build(kept, keep, new, capacity, static=self.decode_forward is not None)
 
@@ -350,7 +350,7 @@ class Engine:
     def run_alone(self, job: Job) -> None:
         """Serve ``job`` start to end in this thread, in a decode batch of one (what ``--max-batch 1`` does)."""
         session = self.open_session(job)
-        capacity = self.batch_capacity(session.need)
+        capacity = tuple(self.batch_capacity(rows) for rows in session.need)
         batch = self.build_batch(None, [], [session.rows], capacity) if session.finish is None else None
         while session.finish is None:
             logits = self.decode(batch, [session.pending], [session.position])

@@ -29,8 +29,10 @@ prefills dominate and answers must finish early (2048-token contexts of ~35-s pr
 120 s: R = 1 gave 1.4x the aggregate tokens/s of R = 0, whose answers all waited for every context's prefill).
 
 Memory: one budget (``--cache-memory``) for everything resident: the stored contexts plus the decode batch. A
-session reserves its whole answer when it joins (rows of its context and question + ``max_tokens``), padded to
-the longest session of the batch (the batch is rectangular), so a step never needs memory it does not hold.
+session reserves its whole answer when it joins (rows of its context and question + ``max_tokens``), in each layer
+padded to the longest session of the batch there (each layer of the batch is rectangular), so a step never needs
+memory it does not hold. Before its prefill, a request's rows are estimated from the press's kept fraction, the
+same in every layer; its session's own rows are checked again when it joins.
 Admission evicts least recently used stored contexts, never an active session; a request that does not fit waits
 in the queue (first come, first served); a full queue answers 429 with ``Retry-After``.
 """
@@ -109,13 +111,13 @@ class Scheduler:
         """``TooLarge`` unless ``job`` fits the memory budget with nothing else resident (a job without a
         ``max_tokens`` of its own is lowered to what fits)."""
         need, context_bytes, _ = self._estimate(job, peek=True)
-        alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))  # the stored copy may be dropped
+        alone = max(context_bytes, self._batch_bytes(1, self._capacity([], need)))  # the stored copy may be dropped
         if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
             room = (self.memory - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
             room -= room % self.engine.capacity_step  # a compiled server's batch holds whole steps of rows
-            job.max_tokens = max(1, min(job.max_tokens, room - (need - job.max_tokens)))  # 1: no batch rows
+            job.max_tokens = max(1, min(job.max_tokens, room - (need[0] - job.max_tokens)))  # 1: no batch rows
             need, _, _ = self._estimate(job, peek=True)
-            alone = max(context_bytes, self._batch_bytes(1 if need else 0, need))
+            alone = max(context_bytes, self._batch_bytes(1, self._capacity([], need)))
         if context_bytes > self.memory:  # whatever max_tokens: the compressed context alone is too large
             raise TooLarge(
                 f"the prompt's context needs about {context_bytes / 2**20:.1f} MiB resident once compressed, more "
@@ -134,14 +136,14 @@ class Scheduler:
         self._thread.join(timeout=5)
 
     # -- accounting --------------------------------------------------------------------------------------
-    def _batch_bytes(self, sessions: int, capacity: int) -> int:
-        e = self.engine  # the capacity the batch would really get (rounded up when steps are compiled)
-        return batch_bytes(sessions, e.batch_capacity(capacity), e.batch_row_bytes, e.batch_session_bytes)
+    def _batch_bytes(self, sessions: int, capacities: tuple[int, ...]) -> int:
+        e = self.engine
+        return batch_bytes(sessions, capacities, e.batch_row_bytes, e.batch_session_bytes)
 
-    def _estimate(self, job: Job, peek: bool = False) -> tuple[int, int, tuple | None]:
-        """(batch rows the session will reserve, bytes its context adds to the store, the key of the stored entry it
-        will use). A stored context's rows are known; a new one is estimated from the press's kept fraction and
-        checked again after its prefill."""
+    def _estimate(self, job: Job, peek: bool = False) -> tuple[tuple[int, ...], int, tuple | None]:
+        """(batch rows the session will reserve, as one value for every layer, () for none; bytes its context adds
+        to the store; the key of the stored entry it will use). A stored context's rows are known (its widest
+        layer's); a new one is estimated from the press's kept fraction and checked again after its prefill."""
         e = self.engine
         entry = None if peek else e.stored(job.context_ids)
         key = None
@@ -154,24 +156,29 @@ class Scheduler:
                 min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))
                 prefix = e.store.longest_prefix(tuple(job.context_ids), e.model_name, e.press_label, min_tokens)
                 key = prefix.key if prefix is not None else None
-        need = 0 if job.max_tokens <= 1 else rows + len(job.question_ids) + job.max_tokens - 1
+        need = () if job.max_tokens <= 1 else (rows + len(job.question_ids) + job.max_tokens - 1,)
         return need, new_bytes, key
 
-    def _capacity(self, sessions: list[Session]) -> int:
-        return self.engine.batch_capacity(max((s.need for s in sessions), default=0))
+    def _capacity(self, sessions: list[Session], need: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """Per layer, the capacity a batch of ``sessions`` (and a session reserving ``need``) gets: the most rows a
+        session reserves in that layer, rounded up when steps are compiled. A one-value ``need`` (an estimate)
+        stands for every layer."""
+        needs = [s.need for s in sessions if s.need] + ([need] if need else [])
+        layers = max((len(n) for n in needs), default=0)
+        widest = [max(n[i] if len(n) > 1 else n[0] for n in needs) for i in range(layers)]
+        return tuple(self.engine.batch_capacity(rows) for rows in widest)
 
-    def _fits(self, joining: list[Session], need: int, new_bytes: int, keep, evict: bool = True) -> bool:
-        """Whether a session reserving ``need`` batch rows fits beside the active and joining sessions. When it
-        does, stored contexts are evicted (least recently used first, ``keep`` last) so the batch, the stored
+    def _fits(self, joining: list[Session], need: tuple[int, ...], new_bytes: int, keep, evict: bool = True) -> bool:
+        """Whether a session reserving ``need`` batch rows (per layer) fits beside the active and joining sessions.
+        When it does, stored contexts are evicted (least recently used first, ``keep`` last) so the batch, the stored
         contexts and ``new_bytes`` of a context about to be stored stay within the budget; a context that then
         does not fit is served but not stored. Active sessions are never touched."""
         sessions = len(self.active) + len(joining)
-        capacity = self._capacity(self.active + joining)
+        capacity = self._capacity(self.active + joining, need)
         if need:
             if sessions >= self.max_batch:
                 return False
-            capacity = max(capacity, self.engine.batch_capacity(need))
-            if sessions and (sessions + 1) * capacity > self.max_batch_tokens:
+            if sessions and (sessions + 1) * max(capacity) > self.max_batch_tokens:
                 return False
             sessions += 1
         batch = self._batch_bytes(sessions, capacity)
