@@ -65,8 +65,11 @@ class CompressKVPress(WeightedSubsetPress):
     to rounding; in those layers the priors keep their uniform row counts and the extra rows go to the query sources.
     For a model with a layer that reads facts back (on SmolLM2-135M-Instruct, layer 18: without the priors there no
     needle is found), whose rows must hold both the facts and the text a continuation copies (docs/BENCHMARKS.md,
-    "The worst continuation context"). ``"auto"``: the layers ``kvcompress calibrate`` found for the model
-    (:mod:`kvcompress.calibration`; shipped for the embedded model), none for a model without a calibration.
+    "The worst continuation context"). ``"auto"`` (the default; the presets name none): the layers
+    ``kvcompress calibrate`` found for the model (:mod:`kvcompress.calibration`; shipped for the embedded model),
+    none for a model without a calibration, where the press is the uniform one. Measured on the embedded model (layer
+    18, 25% kept): continuation KL 0.74x SnapKV's [0.64, 0.89] against the uniform press's 0.98x on 36 contexts,
+    RULER-style answers within noise of it.
     """
 
     sink_size: int = 4
@@ -91,7 +94,7 @@ class CompressKVPress(WeightedSubsetPress):
     novelty_share: float = 0.5
     novelty_value_norm: bool = True
     induction_share: float = 0.25
-    retrieval_layers: tuple[int, ...] | str = ()
+    retrieval_layers: tuple[int, ...] | str = "auto"
     retrieval_rows: float = 2.0
     _retrieval: tuple = field(default=(), init=False, repr=False, compare=False)  # the layers in use
 
@@ -156,7 +159,8 @@ class CompressKVPress(WeightedSubsetPress):
         coreset with 12 pivots a bin and Nystrom weights, R_Q = R_K per bin; no reference queries, no fit.
         ``overrides`` change single fields of that setting (e.g. ``window_size=128``)."""
         settings = dict(
-            sink_size=32, window_size=32, selection="rpnys", reference=(), fit="none", bin_rank=12, query_radius="keys"
+            sink_size=32, window_size=32, selection="rpnys", reference=(), fit="none", bin_rank=12, query_radius="keys",
+            retrieval_layers=(),
         )
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
@@ -166,7 +170,8 @@ class CompressKVPress(WeightedSubsetPress):
         the repeat pass's queries give it (per KV head, over the GQA group and the query positions), the top keys kept
         exactly, 4 sink tokens, no recent window, no fit. Unlike KVzip the repeat pass re-reads the context without
         its reconstruction prompt, and the softmax runs over the context keys only."""
-        settings = dict(sink_size=4, window_size=0, reference=("repeat",), score_pooling="max", fit="none")
+        settings = dict(sink_size=4, window_size=0, reference=("repeat",), score_pooling="max", fit="none",
+                        retrieval_layers=())
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
     @classmethod
@@ -177,7 +182,7 @@ class CompressKVPress(WeightedSubsetPress):
         it (``docs/BENCHMARKS.md``, RULER-style). The pass is streamed layer by layer (one layer's full cache held at
         a time) on models without sliding-window layers; elsewhere, and for padded batches, the full cache is held
         until it ends."""
-        settings = dict(reference=("window", "repeat"), score_pooling="max")
+        settings = dict(reference=("window", "repeat"), score_pooling="max", retrieval_layers=())
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
     @classmethod
@@ -195,7 +200,7 @@ class CompressKVPress(WeightedSubsetPress):
         reading; on the embedded model it answers about 3 points under the quarter, level with KVzip's scoring."""
         settings = dict(
             reference=("window", "novelty", "induction", "repeat"), repeat_fraction=0.25, repeat_span=32,
-            repeat_pieces="novel", fit_queries=64,
+            repeat_pieces="novel", fit_queries=64, retrieval_layers=(),
         )  # fmt: skip
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 

@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--method", default="compresskv",
                    help="a press of the method registry, or exact (default compresskv: about 1.3x a plain prefill "
-                        "on CPU, 1.15x on an H200 at 32k tokens, no extra pass over the model; for contexts "
+                        "on CPU, 1.15x on an H200 at 32k tokens, no extra pass over the model, more rows in the "
+                        "layers that read facts back where the model has a calibration (kvcompress calibrate; "
+                        "shipped for the embedded model); for contexts "
                         "stored and asked many questions, "
                         "compresskv_balanced re-reads the most novel quarter of each (about 2x the prefill on CPU, "
                         "1.95x on an H200 at 32k tokens) "
@@ -180,6 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             print(f"kvcompress serve: error: --press-option: {err}", file=sys.stderr)
             return 2
+        if getattr(press, "retrieval_layers", None) == "auto":
+            logging.getLogger("kvcompress.serve").info(
+                "retrieval layers from the model's calibration: %s", list(press.active_retrieval_layers) or "none")
     served = args.served_model_name or (EMBEDDED_MODEL if args.model is None else Path(args.model.rstrip("/")).name
                                         if Path(args.model).exists() else args.model)
     metrics = ServerMetrics()
