@@ -140,7 +140,8 @@ def _answer_logprob(model, cache, context_len: int, question: torch.Tensor, answ
 @torch.no_grad()
 def layer_drops(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts: int = 8, seed: int = 0,
                 progress=None) -> tuple[float | None, ...]:  # fmt: skip
-    """Per layer, the mean needle log-prob (nats) the default press loses with the priors off there (see the module
+    """Per layer, the mean needle log-prob (nats) the uniform default press (no retrieval layers, whatever the model's
+    calibration) loses with the priors off there (see the module
     docstring), ``kept`` of each context kept; None for a sliding-window layer. ``contexts`` ``niah_single`` contexts
     of ``length`` tokens."""
     import kvpress  # noqa: F401  (registers the pipeline)
@@ -152,7 +153,7 @@ def layer_drops(model, tokenizer, kept: float = 0.25, length: int = 1024, contex
     from kvcompress.window import layer_windows
 
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    default = CompressKVPress(compression_ratio=1 - kept, seed=seed)
+    default = CompressKVPress(compression_ratio=1 - kept, seed=seed, retrieval_layers=())  # uniform: what is scanned
     plain = replace(default, novelty_share=0.0, induction_share=0.0)
     windows = layer_windows(model) or [None] * model.config.num_hidden_layers
     totals = [0.0] * len(windows)

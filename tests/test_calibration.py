@@ -95,6 +95,17 @@ def test_the_scan_scores_each_full_attention_layer_by_the_needle_log_prob_it_los
     assert drops[1] == pytest.approx(scores[0] - scores[1], abs=1e-3)  # rounded to 4 decimals, float32 logits
 
 
+def test_the_scan_measures_the_uniform_press_whatever_the_models_calibration(tokenizer, monkeypatch):
+    """A model that already has a calibration is scanned as one without: the scan's default names no layer."""
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
+    plain = cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2)
+    monkeypatch.setattr(cal, "find", lambda m: calibration("x", cal.model_identity(m)[1], (0,)))
+    assert cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2) == plain
+    auto = press(retrieval_layers="auto")  # where the default would have used layer 0
+    auto.check_model(model, [None] * 3)
+    assert auto.active_retrieval_layers == (0,)
+
+
 def test_the_choice_keeps_the_layers_losing_at_least_the_threshold_most_affected_first():
     assert cal.choose((0.1, 8.7, None, 0.7, 2.5), threshold=2.0) == (1, 4)
     assert cal.choose((0.1, 8.7, None, 0.7, 2.5), threshold=0.5) == (1, 4, 3)
