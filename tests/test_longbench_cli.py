@@ -270,6 +270,15 @@ def test_offline_suite_end_to_end_then_resume(tmp_path, embedded_dir):
     assert partial.returncode == 1
     assert "(partial 0/1)" in (out / "results.md").read_text() and "(partial)" in (out / "results.md").read_text()
     assert not json.loads((out / "scores.json").read_text())["complete"]
+    # Predictions made with other retrieval layers (here a run.json from before calibrations: none) are not
+    # continued with the layers the model's calibration now gives the default press
+    record = json.loads((out / "run.json").read_text())
+    assert record["calibrations"] == {"compresskv": [18]}
+    (out / "run.json").write_text(json.dumps({k: v for k, v in record.items() if k != "calibrations"}))
+    mixed = cli(*args)
+    assert mixed.returncode == 2 and mixed.stderr.count("error:") == 1, mixed.stderr
+    assert "holds compresskv predictions made with retrieval layers [] (this run: [18]" in mixed.stderr.splitlines()[-1]
+    (out / "run.json").write_text(json.dumps(record))
     done = cli(*args)
     assert done.returncode == 0 and "1 predictions to make" in done.stderr
     assert len(lines(path)) == 1 and json.loads((out / "scores.json").read_text())["complete"]

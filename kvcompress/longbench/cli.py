@@ -32,6 +32,7 @@ from kvcompress.longbench.config import (
     Config,
     Interrupted,
     UsageError,
+    make_press,
     one_line,
     output_dir,
     prediction_settings,
@@ -233,6 +234,37 @@ def _check_run_dir(out: Path, cfg: Config) -> None:
             )
 
 
+def _previous_calibrations(out: Path) -> dict[str, list[int]]:
+    """The retrieval layers each method's earlier predictions in ``out`` used (a run.json from before calibrations,
+    or none: no method used any)."""
+    try:
+        return json.loads((out / "run.json").read_text(encoding="utf-8")).get("calibrations", {})
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _calibrations(out: Path, cfg: Config, model) -> dict[str, list[int]]:
+    """Per method of the run whose press takes its retrieval layers from the model's calibration (``"auto"``), the
+    layers it finds; UsageError if a method's earlier predictions in ``out`` were made with others (a calibration
+    filed, or a version of kvcompress without calibrations, since): they would be mixed in one table."""
+    from kvcompress.window import layer_windows
+
+    previous, found = _previous_calibrations(out), {}
+    for method in cfg.methods:
+        press = make_press(method, cfg.ratio, cfg.seed, cfg.press_options.get(method))
+        if getattr(press, "retrieval_layers", None) != "auto":
+            continue
+        press.check_model(model, layer_windows(model))
+        found[method] = list(press.active_retrieval_layers)
+        before = previous.get(method, [])
+        if found[method] != before and any((out / "predictions" / method).glob("*.jsonl")):
+            raise UsageError(
+                f"--output-dir: {out} holds {method} predictions made with retrieval layers {before} (this run: "
+                f"{found[method]}, from the model's calibration); use another --output-dir"
+            )
+    return found
+
+
 def _history(path: Path) -> list[dict]:
     """The earlier runs' entries of ``run.json`` (a run.json from before the history: its one run)."""
     try:
@@ -280,6 +312,7 @@ def run(cfg: Config, command: Sequence[str] | None = None) -> int:
     work = [] if cfg.score_only else pending(cfg, plan, out, rank, world)
     todo = sum(len(w[2]) for w in work)
     pipe = load_pipeline(cfg, local_rank) if todo else None  # nothing to predict: no model
+    calibrations = _calibrations(out, cfg, pipe.model) if pipe is not None else _previous_calibrations(out)
     out.mkdir(parents=True, exist_ok=True)
     for handler in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
         log.removeHandler(handler)
@@ -288,6 +321,7 @@ def run(cfg: Config, command: Sequence[str] | None = None) -> int:
     if rank == 0:
         run_info = {
             "prediction_settings": prediction_settings(cfg),
+            "calibrations": calibrations,  # method -> the retrieval layers its "auto" press found
             "settings": asdict(cfg),
             "command": list(command) if command is not None else sys.argv,
             "processes": world,
