@@ -119,6 +119,22 @@ def test_cli_rejects_a_layer_the_model_does_not_have_before_serving(capsys):
                    "this 30-layer model; accepted: 0 to 29")
 
 
+@pytest.mark.slow
+def test_cli_rejects_a_calibration_naming_a_layer_the_model_does_not_have(capsys, tmp_path, monkeypatch):
+    """The default press's layers come from the model's calibration: a bad one names the calibration, not a flag."""
+    from kvcompress.calibration import SHIPPED, Calibration
+    from kvcompress.serve.cli import main
+
+    shipped = Calibration.load(SHIPPED / "smollm2-135m-instruct.json")
+    Calibration(shipped.model, shipped.shape, (99,), shipped.drops, shipped.settings).save(
+        tmp_path / "smollm2-135m-instruct.json")
+    monkeypatch.setenv("KVCOMPRESS_CALIBRATIONS", str(tmp_path))
+    assert main(["--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("kvcompress serve: error: --model: retrieval_layers: 99 (from the calibration of "
+                   "smollm2-135m-instruct) is not a full-attention layer of this 30-layer model; accepted: 0 to 29")
+
+
 def test_decode_per_prefill_flag_documents_the_schedulers_default_and_range(capsys):
     from kvcompress.serve.cli import build_parser
     from kvcompress.serve.scheduler import DECODE_PER_PREFILL, MAX_DECODE_PER_PREFILL

@@ -179,8 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             press.check_model(model, layer_windows(model))
-        except ValueError as err:
-            print(f"kvcompress serve: error: --press-option: {err}", file=sys.stderr)
+        except ValueError as err:  # a calibration's layers name the file's model instead (the message says which)
+            where = "--model" if getattr(press, "retrieval_layers", None) == "auto" else "--press-option"
+            print(f"kvcompress serve: error: {where}: {err}", file=sys.stderr)
             return 2
         if getattr(press, "retrieval_layers", None) == "auto":
             logging.getLogger("kvcompress.serve").info(
