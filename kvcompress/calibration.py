@@ -59,9 +59,13 @@ class Calibration:
             data = json.loads(text)
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-            layers = data["retrieval_layers"]
+            layers, shape, drops = data["retrieval_layers"], data["shape"], data["drops"]
             if not isinstance(layers, list) or not all(isinstance(x, int) and x >= 0 for x in layers):
                 raise ValueError(f"retrieval_layers must be a list of layer indices, got {layers!r}")
+            if not isinstance(shape, dict) or not all(isinstance(v, int) for v in shape.values()):
+                raise ValueError(f"shape must map names to integers, got {shape!r}")
+            if not isinstance(drops, list) or not all(d is None or isinstance(d, (int, float)) for d in drops):
+                raise ValueError(f"drops must be a list of numbers (null for a sliding-window layer), got {drops!r}")
             return cls(str(data["model"]), dict(data["shape"]), tuple(layers), tuple(data["drops"]),
                        dict(data["settings"]))  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError) as err:
