@@ -79,7 +79,7 @@ def _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol, atol,
 
     for step in range(steps):
         if step == rebuild_at:
-            batch = build(batch, list(range(len(tokens))), [], batch.capacity, static=batch.layers[0].is_compileable)
+            batch = build(batch, list(range(len(tokens))), [], batch.capacities, static=batch.layers[0].is_compileable)
         logits = decode_step(model, batch, tokens, positions, forward)
         for b in range(len(tokens)):
             torch.testing.assert_close(logits[b], alone[b][step + 1], rtol=rtol, atol=atol)
@@ -300,25 +300,30 @@ def test_compiled_steps_with_cuda_graphs_run_in_a_worker_thread(compile_decode):
 
 
 @pytest.mark.slow  # an inductor compile of the tiny model's step (~20-40 s on the shared CPU); CI runs it
+@pytest.mark.parametrize("layers", ["uniform", "per_layer"])
 @torch.no_grad()
-def test_inductor_compiled_decode_batch_equals_each_session_alone():
+def test_inductor_compiled_decode_batch_equals_each_session_alone(layers):
     """The server's ``--compile-decode inductor`` path on CPU: generated code for the static batch's step gives each
     of three sessions the logits it gets alone, across a rebuild in new buffers. float64, but Llama's RMSNorm and
     RoPE angles run in float32 whatever the dtype, and generated code sums and fuses them in another order (ulps of
-    6e-8 relative): logits move by ~5e-8, so 1e-6, still far below a wrong row, mask or range (O(1e-2))."""
+    6e-8 relative): logits move by ~5e-8, so 1e-6, still far below a wrong row, mask or range (O(1e-2)).
+    ``per_layer``: a retrieval layer (more rows in layer 1) and a capacity of each layer's own in one graph."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
     from kvcompress.serve.batch import build
     from kvcompress.serve.step import compiled_forward
 
-    model = tiny_model("llama", dtype=torch.float64, seed=6)
+    model = tiny_model("llama", dtype=torch.float64, seed=6, num_hidden_layers=3)
     use_weighted_attention(model)
-    sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(300, 4, True), (120, 3, True), (60, 2, False)],
-                         seed=9)
+    options = {"retrieval_layers": (1,)} if layers == "per_layer" else {}
+    sessions = _sessions(model, make_press("compresskv", 0.5, 0, **options),
+                         [(300, 4, True), (120, 3, True), (60, 2, False)], seed=9)  # fmt: skip
     steps = 6
     alone = [_alone(model, *session, steps) for session in sessions]
     sources, tokens, positions = _opened(model, sessions)
-    batch = build(None, [], sources, 200, static=True)
+    capacity = 200 if layers == "uniform" else [200, 260, 200]
+    batch = build(None, [], sources, capacity, static=True)
+    assert len(set(batch.capacities)) == (1 if layers == "uniform" else 2)
     _decodes_as_alone(model, batch, tokens, positions, alone, steps, rtol=0, atol=1e-6,
                       forward=compiled_forward(model, "inductor"), rebuild_at=steps // 2)
 
