@@ -313,6 +313,7 @@ def test_inductor_compiled_decode_batch_equals_each_session_alone(layers):
     from kvcompress.serve.batch import build
     from kvcompress.serve.step import compiled_forward
 
+    torch._dynamo.reset()  # the count of recompiles is per code object: other tests' models are not this server's
     model = tiny_model("llama", dtype=torch.float64, seed=6, num_hidden_layers=3)
     use_weighted_attention(model)
     options = {"retrieval_layers": (1,)} if layers == "per_layer" else {}
