@@ -226,12 +226,11 @@ def main(argv: list[str]) -> int:
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads: must be an integer >= 1, got {args.threads}")
 
-    from kvcompress.models import load_model
+    from kvcompress.models import load_model, resolve_device_dtype
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype), device=device)
     except (OSError, ValueError, ImportError) as err:

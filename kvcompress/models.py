@@ -123,6 +123,13 @@ def resolve_model_name(name: str | None) -> str:
     return name
 
 
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """The ``--device`` / ``--dtype`` flags as they resolve here: ``auto`` device is cuda where torch sees a GPU, else
+    cpu; ``auto`` dtype is bfloat16 on cuda, float32 on cpu."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    return device, dtype if dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+
+
 def load_model(
     name: str | None = None,
     *,

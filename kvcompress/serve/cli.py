@@ -154,15 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import torch
 
-    from kvcompress.models import EMBEDDED_MODEL, load_model
+    from kvcompress.models import EMBEDDED_MODEL, load_model, resolve_device_dtype
     from kvcompress.serve.engine import Engine
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.store import ContextStore
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
     if args.compile_decode == "cudagraphs" and device != "cuda":
         print(f"kvcompress serve: error: --compile-decode: cudagraphs needs a CUDA device, got --device {device} "
               "(use inductor or eager)", file=sys.stderr)
