@@ -299,6 +299,14 @@ def test_cli_writes_every_output_flags_masking_and_resumes(tmp_path, embedded_di
     assert fidelity.main(argv) == 0  # resume: nothing recomputed
     assert "all 4 rows already" in capsys.readouterr().out
     assert len((out / "runs.jsonl").read_text().splitlines()) == 4
+    assert by["compresskv"]["retrieval_layers"] == [18]  # the shipped calibration; a press without "auto": no key
+    assert "retrieval_layers" not in by["snapkv"]
+    saved = (out / "runs.jsonl").read_text()  # rows from before calibrations (no key: none) are not resumed into
+    (out / "runs.jsonl").write_text(saved.replace('"retrieval_layers": [18]', '"retrieval_layers": []'))
+    with pytest.raises(SystemExit) as info:
+        fidelity.main(argv)
+    assert "\n" not in str(info.value) and "compresskv rows measured with retrieval layers []" in str(info.value)
+    (out / "runs.jsonl").write_text(saved)
     with pytest.raises(SystemExit) as info:
         fidelity.main([*argv, "--continuation-tokens", "8"])
     assert "\n" not in str(info.value) and "other settings" in str(info.value)

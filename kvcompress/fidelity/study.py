@@ -109,6 +109,34 @@ def study_settings(cfg: StudyConfig, contexts: list[Context], identity: dict) ->
     )
 
 
+def calibrated_layers(model, specs: list[PressSpec]) -> dict[str, list[int]]:
+    """Per press whose retrieval layers come from the model's calibration (``retrieval_layers="auto"``), the layers
+    it finds for ``model`` (by label)."""
+    from kvcompress.window import layer_windows
+
+    found = {}
+    for spec in specs:
+        press = make_press(spec, 0.5) if spec.name != "exact" else None
+        if getattr(press, "retrieval_layers", None) == "auto":
+            press.check_model(model, layer_windows(model))
+            found[spec.label] = list(press.active_retrieval_layers)
+    return found
+
+
+def check_calibrations(runs: Path, rows: list[dict], found: dict[str, list[int]]) -> None:
+    """Refuse (ValueError, one line) to add rows of a press whose earlier rows in ``runs`` were measured with other
+    retrieval layers (a calibration filed since, or rows from before calibrations: none); one table would mix
+    two presses under one label."""
+    for row in rows:
+        label = row["press"]
+        before = row.get("retrieval_layers", [])
+        if label in found and before != found[label]:
+            raise ValueError(
+                f"output_dir: {runs.parent} holds {label} rows measured with retrieval layers {before} (this run: "
+                f"{found[label]}, from the model's calibration); use another --output-dir"
+            )
+
+
 def planned(specs: list[PressSpec], kept: list[float]) -> list[tuple[PressSpec, float]]:
     """``(spec, kept)`` pairs of a run: the exact cache once at kept 1, then every press at every fraction."""
     return [(EXACT, 1.0)] + [(spec, float(k)) for spec in specs if spec.name != "exact" for k in kept]
@@ -130,14 +158,17 @@ def run_study(
     out.mkdir(parents=True, exist_ok=True)
     check_settings_file(out / "settings.json", study_settings(cfg, contexts, identity))
     runs = out / "runs.jsonl"
-    done = {row_key(row) for row in read_runs(runs)}
+    earlier = read_runs(runs)
+    done = {row_key(row) for row in earlier}
     plan = planned(specs, cfg.kept)
     names = [ctx.name for ctx in contexts]
     unknown = sorted(set(cfg.contexts or ()) - set(names))
     if unknown:
         raise ValueError(f"contexts: unknown context names {unknown}; this study's contexts are {names}")
     if not run:
-        return contexts, read_runs(runs)
+        return contexts, earlier
+    layers = calibrated_layers(pipe.model, specs)
+    check_calibrations(runs, earlier, layers)
     prefill(pipe.model, None, contexts[0].ids[:, :64])  # warm-up: the first timed prefill is not a cold one
     with open(runs, "a") as handle:
         for index, ctx in enumerate(contexts):
@@ -164,6 +195,8 @@ def run_study(
                 seconds = time.perf_counter() - start
                 row = dict(context=ctx.name, kind=ctx.kind, length=ctx.length, press=spec.label, kept=kept,
                            seconds=seconds, **row)  # fmt: skip
+                if spec.label in layers:
+                    row["retrieval_layers"] = layers[spec.label]
                 handle.write(json.dumps(row) + "\n")
                 handle.flush()
                 status = row["error"] if "error" in row else f"KL={row['kl']:.4f} needle={row['needle_hits']}"
