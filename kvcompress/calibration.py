@@ -5,7 +5,7 @@ asked after the context; in a model's retrieval layers (the retrieval heads of W
 Mechanistically Explains Long-Context Factuality", arXiv 2404.15574) they cannot. On SmolLM2-135M-Instruct,
 layer 18 alone: without the priors there, no needle is found (docs/BENCHMARKS.md, "The worst continuation
 context"). Those layers must hold both the facts and the text a continuation copies, so the press gives them more
-rows (``retrieval_rows``).
+rows (``retrieval_rows``), shared between the priors and the window's attention (``retrieval_prior_share``).
 
 The scan (:func:`layer_drops`): per RULER-style ``niah_single`` context, one prefill under the default press and one
 with the priors off in every layer. A press compresses each layer from that layer's own keys and queries (the

@@ -62,7 +62,9 @@ class CompressKVPress(WeightedSubsetPress):
     most novel quarter of the context.
     ``retrieval_layers``: layers whose middle gets ``retrieval_rows`` times the uniform row count (at most the whole
     middle), the other full-attention layers giving up an equal share each, so the cache's total rows stay the same up
-    to rounding; in those layers the priors keep their uniform row counts and the extra rows go to the query sources.
+    to rounding; in those layers the priors take their shares of the uniform middle plus ``retrieval_prior_share`` of
+    the extra rows, the query sources get the rest (1, the default: the priors' shares of the whole widened middle, as
+    in any other layer; 0: the priors keep their uniform row counts).
     For a model with a layer that reads facts back (on SmolLM2-135M-Instruct, layer 18: without the priors there no
     needle is found), whose rows must hold both the facts and the text a continuation copies (docs/BENCHMARKS.md,
     "The worst continuation context"). ``"auto"`` (the default, and ``balanced()``'s; the other presets name none):
@@ -96,6 +98,7 @@ class CompressKVPress(WeightedSubsetPress):
     induction_share: float = 0.25
     retrieval_layers: tuple[int, ...] | str = "auto"
     retrieval_rows: float = 2.0
+    retrieval_prior_share: float = 1.0
     _retrieval: tuple = field(default=(), init=False, repr=False, compare=False)  # the layers in use
 
     def __post_init__(self) -> None:
@@ -138,6 +141,7 @@ class CompressKVPress(WeightedSubsetPress):
                 raise ValueError(f"retrieval_layers: must be distinct layer indices, got {self.retrieval_layers!r}")
         self._retrieval = () if self.retrieval_layers == "auto" else self.retrieval_layers
         check_number("retrieval_rows", self.retrieval_rows, 1)
+        check_number("retrieval_prior_share", self.retrieval_prior_share, 0, 1)
         for name, low in (
             ("observation_window", 1),
             ("pool_kernel", 1),
@@ -283,9 +287,10 @@ class CompressKVPress(WeightedSubsetPress):
         return RowPlan(plan.tokens, plan.sink, plan.window, middle)
 
     def _prior_rows(self, n: int, rows: int) -> int:
-        """The middle rows the priors' shares are taken of: ``rows``, but at most the uniform middle (a retrieval
-        layer's extra rows all go to the query sources)."""
-        return min(rows, self.plan(n).middle) if self._retrieval else rows
+        """The middle rows the priors' shares are taken of: ``rows``, where a retrieval layer has more than the uniform
+        middle only ``retrieval_prior_share`` of the extra ones."""
+        uniform = self.plan(n).middle if self._retrieval else rows
+        return rows if rows <= uniform else uniform + round(self.retrieval_prior_share * (rows - uniform))
 
     def _reserved_rows(self, rows: int) -> dict[str, int]:
         """Middle rows each prior reserves: ``novelty_share`` of them for novelty, then ``induction_share`` of them

@@ -303,6 +303,9 @@ def compressed_cache_embeds(model, press, embeds) -> DynamicCache:
         (dict(retrieval_layers=[3, 3]), "retrieval_layers"),
         (dict(retrieval_rows=0.5), "retrieval_rows"),
         (dict(retrieval_rows=float("nan")), "retrieval_rows"),
+        (dict(retrieval_prior_share=-0.1), "retrieval_prior_share"),
+        (dict(retrieval_prior_share=1.5), "retrieval_prior_share"),
+        (dict(retrieval_prior_share=float("nan")), "retrieval_prior_share"),
     ],
 )
 def test_bad_options_get_one_line_errors_naming_them(kwargs, name):

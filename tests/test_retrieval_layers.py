@@ -1,4 +1,4 @@
-"""CompressKVPress(retrieval_layers=...): more middle rows in the named layers, the same total, the priors' counts kept
+"""CompressKVPress(retrieval_layers=...): more middle rows in the named layers, the same total, the priors' shares
 there; the caches it makes (one row count per layer) through generate, a static cache and the server's batch."""
 
 from __future__ import annotations
@@ -23,11 +23,18 @@ def press(**options) -> CompressKVPress:
     return CompressKVPress(compression_ratio=0.75, seed=3, window_size=16, **options)
 
 
-def test_named_layers_get_more_middle_rows_the_others_give_them_up_and_the_priors_keep_their_counts(monkeypatch):
+@pytest.mark.parametrize(
+    "share, expected", [(1.0, {"novelty": 60, "induction": 30}), (0.5, {"novelty": 45, "induction": 22}),
+                        (0.0, {"novelty": 30, "induction": 15})],
+)  # fmt: skip
+def test_named_layers_get_more_middle_rows_the_others_give_them_up_and_the_priors_take_their_share(
+    monkeypatch, share, expected
+):
     """4 layers, a 320-token context at 25% kept: 80 rows a head, 4 sink + 16 window + a middle of 60. Layer 1 gets
     twice the middle (120); the 3 others give up 60 / 3 = 20 middle rows each (40): 140 + 3 x 60 = 4 x 80 rows.
-    The priors' reserved counts in layer 1 are the uniform press's (the 60 extra rows go to the window's attention);
-    in the others they are shares of the 40 rows left."""
+    The priors' reserved counts in layer 1 are their shares (1/2, 1/4) of the uniform 60 rows plus ``share`` of the 60
+    extra ones (share 0: the uniform press's counts, the extra rows all to the window's attention); in the others
+    they are shares of the 40 rows left."""
     reserved: dict[str, list] = {"uniform": [], "retrieval": []}
     mixed_scores = presses.mixed_scores
     label = "uniform"
@@ -41,14 +48,15 @@ def test_named_layers_get_more_middle_rows_the_others_give_them_up_and_the_prior
     context = tokens(CONTEXT, 1)
     uniform = compressed_cache(model, press(), context)
     label = "retrieval"
-    moved = compressed_cache(model, press(retrieval_layers=(1,)), context)
+    moved = compressed_cache(model, press(retrieval_layers=(1,), retrieval_prior_share=share), context)
     assert [layer.keys.shape[-2] for layer in uniform.layers] == [80] * 4
     assert [layer.keys.shape[-2] for layer in moved.layers] == [60, 140, 60, 60]
     for layer in moved.layers:  # a weight per row, and the sink and window kept exact (weight 1)
         assert layer.row_weights.shape[-1] == layer.keys.shape[-2]
         assert torch.equal(layer.row_weights[..., :4], torch.ones_like(layer.row_weights[..., :4]))
         assert torch.equal(layer.row_weights[..., -16:], torch.ones_like(layer.row_weights[..., -16:]))
-    assert reserved["retrieval"][1] == reserved["uniform"][1] == {"novelty": 30, "induction": 15}
+    assert reserved["uniform"][1] == {"novelty": 30, "induction": 15}
+    assert reserved["retrieval"][1] == expected
     assert reserved["retrieval"][0] == {"novelty": 20, "induction": 10}
 
 
