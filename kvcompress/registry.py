@@ -97,6 +97,36 @@ def make_press(name: str, compression_ratio: float, seed: int = 0, **options: An
     return dataclasses.replace(press, **options)
 
 
+def press_settings(press, model=None) -> dict[str, Any]:
+    """What a press computes with, as JSON (``{}`` for no press): its dataclass fields (``repr`` of a value JSON cannot
+    hold, such as a wrapped press), and for one whose retrieval layers come from the model's calibration
+    (``retrieval_layers="auto"``) the layers it finds for ``model`` (``active_retrieval_layers``). Two runs whose
+    settings differ ran different presses, even under one method name (a default changed between versions)."""
+    if press is None:
+        return {}
+
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (tuple, list)):
+            return [plain(item) for item in value]
+        return repr(value)
+
+    settings = {f.name: plain(getattr(press, f.name)) for f in dataclasses.fields(press) if f.init}
+    if getattr(press, "retrieval_layers", None) == "auto" and model is not None:
+        from kvcompress.window import layer_windows
+
+        press.check_model(model, layer_windows(model))
+        settings["active_retrieval_layers"] = list(press.active_retrieval_layers)
+    return settings
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> str:
+    """The first differing fields of two :func:`press_settings`, for an error line (``""`` if none differ)."""
+    keys = [key for key in sorted(set(before) | set(now)) if before.get(key, "-") != now.get(key, "-")]
+    return "; ".join(f"{key}: {before.get(key, '-')!r} there, {now.get(key, '-')!r} now" for key in keys[:3])
+
+
 def parse_press_option(item: str, method: str | None = None) -> tuple[str, str, Any]:
     """``"compresskv.window_size=128"`` -> ``("compresskv", "window_size", 128)`` (the value read as YAML);
     with ``method`` given, ``"window_size=128"`` names a field of that method. ValueError naming ``--press-option``."""

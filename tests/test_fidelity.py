@@ -299,13 +299,25 @@ def test_cli_writes_every_output_flags_masking_and_resumes(tmp_path, embedded_di
     assert fidelity.main(argv) == 0  # resume: nothing recomputed
     assert "all 4 rows already" in capsys.readouterr().out
     assert len((out / "runs.jsonl").read_text().splitlines()) == 4
-    assert by["compresskv"]["retrieval_layers"] == [18]  # the shipped calibration; a press without "auto": no key
-    assert "retrieval_layers" not in by["snapkv"]
-    saved = (out / "runs.jsonl").read_text()  # rows from before calibrations (no key: none) are not resumed into
-    (out / "runs.jsonl").write_text(saved.replace('"retrieval_layers": [18]', '"retrieval_layers": []'))
+    settings = by["compresskv"]["press_settings"]  # what each row was measured with; the calibration's layers
+    assert settings["active_retrieval_layers"] == [18] and settings["retrieval_prior_share"] == 1.0
+    assert "active_retrieval_layers" not in by["snapkv"]["press_settings"] and by["exact"]["press_settings"] == {}
+    saved = (out / "runs.jsonl").read_text()  # rows of another press under the label are not resumed into
+    rows = [json.loads(line) for line in saved.splitlines()]
+    for row in rows:
+        if row["press"] == "compresskv":
+            row["press_settings"]["retrieval_prior_share"] = 0.0
+    (out / "runs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(SystemExit) as info:
         fidelity.main(argv)
-    assert "\n" not in str(info.value) and "compresskv rows measured with retrieval layers []" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert "compresskv rows measured with another press (retrieval_prior_share: 0.0 there, 1.0 now)" in str(info.value)
+    for row in rows:  # rows from before the settings were recorded (and before calibrations: no layers)
+        del row["press_settings"]
+    (out / "runs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(SystemExit) as info:
+        fidelity.main(argv)
+    assert "compresskv rows measured with another press (retrieval layers [] there, [18] now)" in str(info.value)
     (out / "runs.jsonl").write_text(saved)
     with pytest.raises(SystemExit) as info:
         fidelity.main([*argv, "--continuation-tokens", "8"])

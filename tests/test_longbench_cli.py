@@ -270,14 +270,22 @@ def test_offline_suite_end_to_end_then_resume(tmp_path, embedded_dir):
     assert partial.returncode == 1
     assert "(partial 0/1)" in (out / "results.md").read_text() and "(partial)" in (out / "results.md").read_text()
     assert not json.loads((out / "scores.json").read_text())["complete"]
-    # Predictions made with other retrieval layers (here a run.json from before calibrations: none) are not
-    # continued with the layers the model's calibration now gives the default press
+    # Predictions made with another press are not continued: a run.json from before the settings were recorded
+    # (and before calibrations: no retrieval layers), and one whose default had another setting (a changed default)
     record = json.loads((out / "run.json").read_text())
-    assert record["calibrations"] == {"compresskv": [18]}
-    (out / "run.json").write_text(json.dumps({k: v for k, v in record.items() if k != "calibrations"}))
+    settings = record["presses"]["compresskv"]
+    assert settings["active_retrieval_layers"] == [18] and settings["retrieval_prior_share"] == 1.0
+    assert record["presses"]["exact"] == {} and settings["compression_ratio"] == 0.75
+    (out / "run.json").write_text(json.dumps({k: v for k, v in record.items() if k != "presses"}))
     mixed = cli(*args)
     assert mixed.returncode == 2 and mixed.stderr.count("error:") == 1, mixed.stderr
-    assert "holds compresskv predictions made with retrieval layers [] (this run: [18]" in mixed.stderr.splitlines()[-1]
+    assert "holds compresskv predictions made with another press (retrieval layers [] there, [18] now)" in (
+        mixed.stderr.splitlines()[-1]
+    )
+    older = {**record, "presses": {**record["presses"], "compresskv": {**settings, "retrieval_prior_share": 0.0}}}
+    (out / "run.json").write_text(json.dumps(older))
+    mixed = cli(*args)
+    assert mixed.returncode == 2 and "(retrieval_prior_share: 0.0 there, 1.0 now)" in mixed.stderr, mixed.stderr
     (out / "run.json").write_text(json.dumps(record))
     done = cli(*args)
     assert done.returncode == 0 and "1 predictions to make" in done.stderr

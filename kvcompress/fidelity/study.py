@@ -19,6 +19,7 @@ from pathlib import Path
 from kvcompress.fidelity.contexts import DEPTHS, NEEDLE, QUESTION, Context, build_contexts
 from kvcompress.fidelity.measure import exact_reference, exact_row, measure, prefill
 from kvcompress.fidelity.specs import PressSpec, check_specs, make_press
+from kvcompress.registry import changed_settings, press_settings
 
 DEFAULT_PRESSES = (
     "compresskv",
@@ -109,31 +110,34 @@ def study_settings(cfg: StudyConfig, contexts: list[Context], identity: dict) ->
     )
 
 
-def calibrated_layers(model, specs: list[PressSpec]) -> dict[str, list[int]]:
-    """Per press whose retrieval layers come from the model's calibration (``retrieval_layers="auto"``), the layers
-    it finds for ``model`` (by label)."""
-    from kvcompress.window import layer_windows
-
-    found = {}
+def press_records(model, specs: list[PressSpec]) -> dict[str, dict]:
+    """Each press's :func:`kvcompress.registry.press_settings` by label (the kept fraction left out: rows hold it)."""
+    records = {}
     for spec in specs:
-        press = make_press(spec, 0.5) if spec.name != "exact" else None
-        if getattr(press, "retrieval_layers", None) == "auto":
-            press.check_model(model, layer_windows(model))
-            found[spec.label] = list(press.active_retrieval_layers)
-    return found
+        settings = press_settings(make_press(spec, 0.5) if spec.name != "exact" else None, model)
+        settings.pop("compression_ratio", None)
+        records[spec.label] = settings
+    return records
 
 
-def check_calibrations(runs: Path, rows: list[dict], found: dict[str, list[int]]) -> None:
-    """Refuse (ValueError, one line) to add rows of a press whose earlier rows in ``runs`` were measured with other
-    retrieval layers (a calibration filed since, or rows from before calibrations: none); one table would mix
-    two presses under one label."""
+def check_presses(runs: Path, rows: list[dict], records: dict[str, dict]) -> None:
+    """Refuse (ValueError, one line) to add rows of a press whose earlier rows in ``runs`` were measured with another
+    press under the same label (a changed default, a calibration filed since): one table would mix them. Rows from
+    before the settings were recorded are compared on their retrieval layers (none before calibrations)."""
     for row in rows:
-        label = row["press"]
-        before = row.get("retrieval_layers", [])
-        if label in found and before != found[label]:
+        label, now = row["press"], records.get(row["press"])
+        if now is None or "error" in row:
+            continue
+        if "press_settings" in row:
+            change = changed_settings(row["press_settings"], now)
+        elif "active_retrieval_layers" in now and now["active_retrieval_layers"] != row.get("retrieval_layers", []):
+            change = f"retrieval layers {row.get('retrieval_layers', [])} there, {now['active_retrieval_layers']} now"
+        else:
+            continue
+        if change:
             raise ValueError(
-                f"output_dir: {runs.parent} holds {label} rows measured with retrieval layers {before} (this run: "
-                f"{found[label]}, from the model's calibration); use another --output-dir"
+                f"output_dir: {runs.parent} holds {label} rows measured with another press ({change}); "
+                "use another --output-dir"
             )
 
 
@@ -167,8 +171,8 @@ def run_study(
         raise ValueError(f"contexts: unknown context names {unknown}; this study's contexts are {names}")
     if not run:
         return contexts, earlier
-    layers = calibrated_layers(pipe.model, specs)
-    check_calibrations(runs, earlier, layers)
+    records = press_records(pipe.model, specs)
+    check_presses(runs, earlier, records)
     prefill(pipe.model, None, contexts[0].ids[:, :64])  # warm-up: the first timed prefill is not a cold one
     with open(runs, "a") as handle:
         for index, ctx in enumerate(contexts):
@@ -195,8 +199,7 @@ def run_study(
                 seconds = time.perf_counter() - start
                 row = dict(context=ctx.name, kind=ctx.kind, length=ctx.length, press=spec.label, kept=kept,
                            seconds=seconds, **row)  # fmt: skip
-                if spec.label in layers:
-                    row["retrieval_layers"] = layers[spec.label]
+                row["press_settings"] = records[spec.label]
                 handle.write(json.dumps(row) + "\n")
                 handle.flush()
                 status = row["error"] if "error" in row else f"KL={row['kl']:.4f} needle={row['needle_hits']}"

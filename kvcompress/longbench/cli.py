@@ -53,6 +53,7 @@ from kvcompress.longbench.predict import (
 from kvcompress.longbench.report import write_tables
 from kvcompress.longbench.scoring import check_metric_packages
 from kvcompress.longbench.tasks import ALL_TASKS, DEFAULT_DATASET, LONGBENCH_TASKS
+from kvcompress.registry import changed_settings, press_settings
 
 DESCRIPTION = """\
 LongBench-E with KV-cache compression (the WildCat paper's Table 4 protocol): predictions, scores, tables, a plot.
@@ -234,33 +235,36 @@ def _check_run_dir(out: Path, cfg: Config) -> None:
             )
 
 
-def _previous_calibrations(out: Path) -> dict[str, list[int]]:
-    """The retrieval layers each method's earlier predictions in ``out`` used (a run.json from before calibrations,
-    or none: no method used any)."""
+def _previous_run(out: Path) -> dict:
     try:
-        return json.loads((out / "run.json").read_text(encoding="utf-8")).get("calibrations", {})
+        return json.loads((out / "run.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return {}
 
 
-def _calibrations(out: Path, cfg: Config, model) -> dict[str, list[int]]:
-    """Per method of the run whose press takes its retrieval layers from the model's calibration (``"auto"``), the
-    layers it finds; UsageError if a method's earlier predictions in ``out`` were made with others (a calibration
-    filed, or a version of kvcompress without calibrations, since): they would be mixed in one table."""
-    from kvcompress.window import layer_windows
-
-    previous, found = _previous_calibrations(out), {}
+def _presses(out: Path, cfg: Config, model) -> dict[str, dict]:
+    """Each method's :func:`kvcompress.registry.press_settings` (the earlier runs' for the methods not in this one);
+    UsageError if a method's earlier predictions in ``out`` were made with another press (a changed default, a
+    calibration filed since): they would be mixed in one table. A run.json from before the settings were recorded
+    is compared on its retrieval layers alone (``calibrations``; none before calibrations)."""
+    previous = _previous_run(out)
+    before, layers = previous.get("presses"), previous.get("calibrations", {})
+    found = dict(before or {})
     for method in cfg.methods:
         press = make_press(method, cfg.ratio, cfg.seed, cfg.press_options.get(method))
-        if getattr(press, "retrieval_layers", None) != "auto":
+        found[method] = settings = press_settings(press, model)
+        if not any((out / "predictions" / method).glob("*.jsonl")):
             continue
-        press.check_model(model, layer_windows(model))
-        found[method] = list(press.active_retrieval_layers)
-        before = previous.get(method, [])
-        if found[method] != before and any((out / "predictions" / method).glob("*.jsonl")):
+        if before is not None and method in before:
+            change = changed_settings(before[method], settings)
+        elif "active_retrieval_layers" in settings and settings["active_retrieval_layers"] != layers.get(method, []):
+            change = f"retrieval layers {layers.get(method, [])} there, {settings['active_retrieval_layers']} now"
+        else:
+            continue
+        if change:
             raise UsageError(
-                f"--output-dir: {out} holds {method} predictions made with retrieval layers {before} (this run: "
-                f"{found[method]}, from the model's calibration); use another --output-dir"
+                f"--output-dir: {out} holds {method} predictions made with another press ({change}); "
+                "use another --output-dir"
             )
     return found
 
@@ -312,7 +316,7 @@ def run(cfg: Config, command: Sequence[str] | None = None) -> int:
     work = [] if cfg.score_only else pending(cfg, plan, out, rank, world)
     todo = sum(len(w[2]) for w in work)
     pipe = load_pipeline(cfg, local_rank) if todo else None  # nothing to predict: no model
-    calibrations = _calibrations(out, cfg, pipe.model) if pipe is not None else _previous_calibrations(out)
+    presses = _presses(out, cfg, pipe.model) if pipe is not None else _previous_run(out).get("presses", {})
     out.mkdir(parents=True, exist_ok=True)
     for handler in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
         log.removeHandler(handler)
@@ -321,7 +325,7 @@ def run(cfg: Config, command: Sequence[str] | None = None) -> int:
     if rank == 0:
         run_info = {
             "prediction_settings": prediction_settings(cfg),
-            "calibrations": calibrations,  # method -> the retrieval layers its "auto" press found
+            "presses": presses,  # method -> its press's settings (press_settings), checked when a run resumes
             "settings": asdict(cfg),
             "command": list(command) if command is not None else sys.argv,
             "processes": world,
