@@ -70,8 +70,9 @@ class CompressKVPress(WeightedSubsetPress):
     "The worst continuation context"). ``"auto"`` (the default, and ``balanced()``'s; the other presets name none):
     the layers ``kvcompress calibrate`` found for the model (:mod:`kvcompress.calibration`; shipped for the embedded
     model), none for a model without a calibration, where the press is the uniform one. Measured on the embedded
-    model (layer 18, 25% kept): continuation KL 0.74x SnapKV's [0.65, 0.86] against the uniform press's 0.97x on 48
-    contexts, RULER-style answers within noise of it.
+    model (layer 18, 25% kept): continuation KL 0.74x SnapKV's [0.64, 0.87] against the uniform press's 0.97x on 48
+    contexts; RULER-style 58.1 against its 55.2 (24 per task), the priors' share of the extra rows +3.6 [+1.3, +6.3]
+    of that at no KL cost (``docs/BENCHMARKS.md``, "The retrieval layer's extra rows shared with the priors").
     """
 
     sink_size: int = 4
