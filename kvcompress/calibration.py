@@ -66,8 +66,7 @@ class Calibration:
                 raise ValueError(f"shape must map names to integers, got {shape!r}")
             if not isinstance(drops, list) or not all(d is None or isinstance(d, (int, float)) for d in drops):
                 raise ValueError(f"drops must be a list of numbers (null for a sliding-window layer), got {drops!r}")
-            return cls(str(data["model"]), dict(data["shape"]), tuple(layers), tuple(data["drops"]),
-                       dict(data["settings"]))  # fmt: skip
+            return cls(str(data["model"]), dict(shape), tuple(layers), tuple(drops), dict(data["settings"]))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"calibration: {source} is not a kvcompress calibration ({err})") from None
 

@@ -121,8 +121,13 @@ def press_settings(press, model=None) -> dict[str, Any]:
     return settings
 
 
-def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> str:
-    """The first differing fields of two :func:`press_settings`, for an error line (``""`` if none differ)."""
+def press_change(before: dict[str, Any] | None, now: dict[str, Any], layers_before: list[int]) -> str:
+    """How the :func:`press_settings` ``now`` differ from those earlier results were made with, for an error line
+    (``""`` if they do not): ``before``, their first differing fields; where the settings were not recorded (None),
+    only the retrieval layers then, ``layers_before`` (none before calibrations)."""
+    if before is None:
+        layers = now.get("active_retrieval_layers")
+        return f"retrieval layers {layers_before} there, {layers} now" if layers not in (None, layers_before) else ""
     keys = [key for key in sorted(set(before) | set(now)) if before.get(key, "-") != now.get(key, "-")]
     return "; ".join(f"{key}: {before.get(key, '-')!r} there, {now.get(key, '-')!r} now" for key in keys[:3])
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvcompress.fidelity.contexts import DEPTHS, NEEDLE, QUESTION, Context, build_contexts
 from kvcompress.fidelity.measure import exact_reference, exact_row, measure, prefill
 from kvcompress.fidelity.specs import PressSpec, check_specs, make_press
-from kvcompress.registry import changed_settings, press_settings
+from kvcompress.registry import press_change, press_settings
 
 DEFAULT_PRESSES = (
     "compresskv",
@@ -128,12 +128,7 @@ def check_presses(runs: Path, rows: list[dict], records: dict[str, dict]) -> Non
         label, now = row["press"], records.get(row["press"])
         if now is None or "error" in row:
             continue
-        if "press_settings" in row:
-            change = changed_settings(row["press_settings"], now)
-        elif "active_retrieval_layers" in now and now["active_retrieval_layers"] != row.get("retrieval_layers", []):
-            change = f"retrieval layers {row.get('retrieval_layers', [])} there, {now['active_retrieval_layers']} now"
-        else:
-            continue
+        change = press_change(row.get("press_settings"), now, row.get("retrieval_layers", []))
         if change:
             raise ValueError(
                 f"output_dir: {runs.parent} holds {label} rows measured with another press ({change}); "

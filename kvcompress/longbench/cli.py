@@ -53,7 +53,7 @@ from kvcompress.longbench.predict import (
 from kvcompress.longbench.report import write_tables
 from kvcompress.longbench.scoring import check_metric_packages
 from kvcompress.longbench.tasks import ALL_TASKS, DEFAULT_DATASET, LONGBENCH_TASKS
-from kvcompress.registry import changed_settings, press_settings
+from kvcompress.registry import press_change, press_settings
 
 DESCRIPTION = """\
 LongBench-E with KV-cache compression (the WildCat paper's Table 4 protocol): predictions, scores, tables, a plot.
@@ -255,12 +255,7 @@ def _presses(out: Path, cfg: Config, model) -> dict[str, dict]:
         found[method] = settings = press_settings(press, model)
         if not any((out / "predictions" / method).glob("*.jsonl")):
             continue
-        if before is not None and method in before:
-            change = changed_settings(before[method], settings)
-        elif "active_retrieval_layers" in settings and settings["active_retrieval_layers"] != layers.get(method, []):
-            change = f"retrieval layers {layers.get(method, [])} there, {settings['active_retrieval_layers']} now"
-        else:
-            continue
+        change = press_change((before or {}).get(method), settings, layers.get(method, []))
         if change:
             raise UsageError(
                 f"--output-dir: {out} holds {method} predictions made with another press ({change}); "
