@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", help="the name clients send as 'model' (default: --model's directory or Hub name)"
     )
     p.add_argument("--method", default="compresskv",
-                   help="a press of the method registry, or exact (default compresskv: about 1.3x a plain prefill "
+                   help="a press of the method registry, or exact (default compresskv: about 1.2x a plain prefill "
                         "on CPU, 1.15x on an H200 at 32k tokens, no extra pass over the model, more rows in the "
                         "layers that read facts back where the model has a calibration (kvcompress calibrate; "
                         "shipped for the embedded model); for contexts "
