@@ -1,0 +1,80 @@
+"""Diagnosis for issue 20 (not part of the library): which needle tokens does a press keep, layer by layer?
+
+Per context of TASK (default niah_multikey), one prefill under the default (or ``--press-option``-style overrides
+given as KEY=VALUE, read as YAML), and per layer the fraction of each part of the needles'
+tokens its cache holds, averaged over KV heads and needles: the key (``for {key}``), the value (the number's digits)
+and the needle's other tokens ("One of the special magic numbers ... is:"), with the haystack's for scale. A kept row
+is found by its key vector, which the press copies unchanged (the fit changes values only).
+
+    python results/frontier/diagnosis/needle_coverage.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [KEY=VALUE ...]
+"""
+import sys
+
+import kvpress  # noqa: F401
+import torch
+import yaml
+from transformers import pipeline
+
+from kvcompress.fidelity.measure import prefill
+from kvcompress.models import load_model
+from kvcompress.presses import CompressKVPress
+from kvcompress.ruler.generator import generate
+from kvcompress.ruler.tasks import NEEDLE
+
+PARTS = ("key", "value", "rest", "haystack")
+
+
+def token_parts(tokenizer, ids: torch.Tensor, answers) -> torch.Tensor:
+    """``[n]`` part index per context token (PARTS), from each token's character span in the decoded context."""
+    ends = [len(tokenizer.decode(ids[:i])) for i in range(1, len(ids) + 1)]
+    text = tokenizer.decode(ids)
+    part = torch.full((len(ids),), PARTS.index("haystack"))
+    starts = [0] + ends[:-1]
+    for (value,) in answers:
+        at = text.find(f" is: {value}.")
+        line = text.rfind(NEEDLE.split("{key}")[0], 0, at)
+        key_at = line + len(NEEDLE.split("{key}")[0])
+        end = at + len(f" is: {value}.")
+        spans = [(line, end, "rest"), (key_at, at, "key"), (at + 5, at + 5 + len(value), "value")]
+        assert at > 0 and line >= 0, value
+        for lo, hi, name in spans:
+            for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
+                if e > lo and s < hi:
+                    part[i] = PARTS.index(name)
+    return part
+
+
+if __name__ == "__main__":
+    task = sys.argv[1] if len(sys.argv) > 1 else "niah_multikey"
+    contexts = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    kept = float(sys.argv[4]) if len(sys.argv) > 4 else 0.5
+    length = int(sys.argv[5]) if len(sys.argv) > 5 else 2048
+    overrides = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in sys.argv[6:])}
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(None)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    press = CompressKVPress(compression_ratio=1 - kept, seed=seed, **overrides)
+    layers = model.config.num_hidden_layers
+    totals = torch.zeros(layers, len(PARTS))
+    with torch.no_grad():
+        for example in generate(task, tokenizer, length, contexts, seed):
+            inputs = pipe.preprocess(example.context, list(example.questions), example.answer_prefix, 1 << 30)
+            ids = inputs["context_ids"]
+            part = token_parts(tokenizer, ids[0], example.answers)
+            full, _ = prefill(model, None, ids)
+            cache, _ = prefill(model, press, ids)
+            probe = torch.randn(full.layers[0].keys.shape[-1], dtype=torch.float64)
+            for layer in range(layers):
+                keys_full = full.layers[layer].keys[0].double() @ probe  # [h, n]: a row's fingerprint
+                keys_kept = cache.layers[layer].keys[0].double() @ probe  # [h, r]
+                held = torch.stack([torch.isin(f, k) for f, k in zip(keys_full, keys_kept, strict=True)]).double()
+                for p in range(len(PARTS)):
+                    mask = part == p
+                    totals[layer, p] += held[:, mask].mean() if mask.any() else 0.0
+            print(f"context {example.index + 1}/{contexts}", file=sys.stderr, flush=True)
+    print(f"{task}, {contexts} contexts, seed {seed}, kept {kept}, {length} tokens, overrides {overrides}: "
+          "fraction of each part's tokens held, mean over KV heads")
+    print("layer " + " ".join(f"{p:>9}" for p in PARTS))
+    for layer in range(layers):
+        print(f"{layer:5d} " + " ".join(f"{v:9.3f}" for v in (totals[layer] / contexts).tolist()))
