@@ -73,7 +73,7 @@ with torch.no_grad():
         inputs = pipe.preprocess(example.context, list(example.questions), example.answer_prefix, 1 << 30)
         ids = inputs["context_ids"]
         n = ids.shape[1]
-        needle = token_parts(tokenizer, ids[0], example.answers) != PARTS.index("haystack")  # [n]
+        needle = token_parts(tokenizer, ids[0], task) != PARTS.index("haystack")  # [n]
         default, _ = prefill(model, press, ids)
         full, _ = prefill(model, None, ids)
         probe = torch.randn(full.layers[layer].keys.shape[-1], dtype=torch.float64)
@@ -101,12 +101,13 @@ with torch.no_grad():
             row = []
             for name, cache in caches.items():
                 text = tokenizer.decode(greedy(model, cache, n, question, spec.max_new_tokens, tokenizer.eos_token_id))
-                scores[name] += match(spec.metric, text, expected)
+                score = match(spec.metric, text, expected)
+                scores[name] += score
                 logprobs[name] += sum(
                     _answer_logprob(model, cache, n, question,
                                     tokenizer.encode(" " + a, return_tensors="pt", add_special_tokens=False))
                     for a in expected) / len(expected)
-                row.append(repr(text.strip()[:12]))
+                row.append(f"{score:.2f} {text.strip()[:12]!r}")
             asked += 1
             print(f"context {example.index} expected {expected}: " + " | ".join(row), flush=True)
 print(f"{task}, {contexts} contexts, seed {seed}, kept {kept}, {length} tokens, layer {layer}, {asked} questions:")

@@ -2,12 +2,14 @@
 
 Per context of TASK (default niah_multikey), one prefill under the default (or ``--press-option``-style overrides
 given as KEY=VALUE, read as YAML), and per layer the fraction of each part of the needles'
-tokens its cache holds, averaged over KV heads and needles: the key (``for {key}``), the value (the number's digits)
-and the needle's other tokens ("One of the special magic numbers ... is:"), with the haystack's for scale. A kept row
+tokens its cache holds, averaged over KV heads and needles: the key (``for {key}``; qa: the project's name), the
+value (the number's digits; qa: the maintainer and the city) and the needle's other tokens ("One of the special magic
+numbers ... is:"), with the haystack's for scale. A kept row
 is found by its key vector, which the press copies unchanged (the fit changes values only).
 
     python results/frontier/diagnosis/needle_coverage.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [KEY=VALUE ...]
 """
+import re
 import sys
 
 import kvpress  # noqa: F401
@@ -19,24 +21,25 @@ from kvcompress.fidelity.measure import prefill
 from kvcompress.models import load_model
 from kvcompress.presses import CompressKVPress
 from kvcompress.ruler.generator import generate
-from kvcompress.ruler.tasks import NEEDLE
 
 PARTS = ("key", "value", "rest", "haystack")
+# A planted line per task family: group 1 is its key, the later groups its values.
+LINES = {
+    "niah": re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\."),
+    "qa": re.compile(r"The (\w+) project is maintained by ([^,]+), who works in ([^.]+)\."),
+}
 
 
-def token_parts(tokenizer, ids: torch.Tensor, answers) -> torch.Tensor:
+def token_parts(tokenizer, ids: torch.Tensor, task: str) -> torch.Tensor:
     """``[n]`` part index per context token (PARTS), from each token's character span in the decoded context."""
     ends = [len(tokenizer.decode(ids[:i])) for i in range(1, len(ids) + 1)]
-    text = tokenizer.decode(ids)
-    part = torch.full((len(ids),), PARTS.index("haystack"))
     starts = [0] + ends[:-1]
-    for (value,) in answers:
-        at = text.find(f" is: {value}.")
-        line = text.rfind(NEEDLE.split("{key}")[0], 0, at)
-        key_at = line + len(NEEDLE.split("{key}")[0])
-        end = at + len(f" is: {value}.")
-        spans = [(line, end, "rest"), (key_at, at, "key"), (at + 5, at + 5 + len(value), "value")]
-        assert at > 0 and line >= 0, value
+    part = torch.full((len(ids),), PARTS.index("haystack"))
+    lines = list(LINES["qa" if task == "qa" else "niah"].finditer(tokenizer.decode(ids)))
+    assert lines, task
+    for line in lines:
+        spans = [(line.start(), line.end(), "rest"), (line.start(1), line.end(1), "key")]
+        spans += [(line.start(g), line.end(g), "value") for g in range(2, len(line.groups()) + 1)]
         for lo, hi, name in spans:
             for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
                 if e > lo and s < hi:
@@ -61,7 +64,7 @@ if __name__ == "__main__":
         for example in generate(task, tokenizer, length, contexts, seed):
             inputs = pipe.preprocess(example.context, list(example.questions), example.answer_prefix, 1 << 30)
             ids = inputs["context_ids"]
-            part = token_parts(tokenizer, ids[0], example.answers)
+            part = token_parts(tokenizer, ids[0], task)
             full, _ = prefill(model, None, ids)
             cache, _ = prefill(model, press, ids)
             probe = torch.randn(full.layers[0].keys.shape[-1], dtype=torch.float64)

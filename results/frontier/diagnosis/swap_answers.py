@@ -5,8 +5,9 @@ bring back the answers (RULER's string match of greedy answers), not only the an
 log-prob the default loses on niah_multikey, while widening layer 7 (``retrieval_layers=[18, 7]``) did not bring
 the answers back. Per context of TASK, this prefills the default and the full cache, builds the default's cache with
 LAYERS (comma-separated) swapped in from the full cache (as `repeat_layer_gain.py`: every full row with weight 1,
-no clip range), and greedy-decodes every question on the three caches. Prints each question's answers and, per
-cache, the task's mean score x 100 and the mean log-prob (nats) of the expected answers.
+no clip range), and greedy-decodes every question on the three caches. Prints each question's score and answer (its
+first 24 characters) per cache, and per cache the task's mean score x 100 and the expected answers' mean log-prob
+(nats).
 
     python results/frontier/diagnosis/swap_answers.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [LAYERS]
 """
@@ -76,12 +77,13 @@ if __name__ == "__main__":
                 for name, cache in caches.items():
                     answer = greedy(model, cache, ids.shape[1], question, spec.max_new_tokens, tokenizer.eos_token_id)
                     text = tokenizer.decode(answer)
-                    scores[name] += match(spec.metric, text, expected)
+                    score = match(spec.metric, text, expected)
+                    scores[name] += score
                     logprobs[name] += sum(
                         _answer_logprob(model, cache, ids.shape[1], question,
                                         tokenizer.encode(" " + a, return_tensors="pt", add_special_tokens=False))
                         for a in expected) / len(expected)
-                    row.append(repr(text.strip()[:24]))
+                    row.append(f"{score:.2f} {text.strip()[:24]!r}")
                 asked += 1
                 print(f"context {example.index} expected {expected}: " + " | ".join(row), flush=True)
     print(f"{task}, {contexts} contexts, seed {seed}, kept {kept}, {length} tokens, {asked} questions:")
