@@ -25,23 +25,18 @@ import torch
 from transformers import pipeline
 
 from kvcompress.cache import WeightedLayer
-from kvcompress.calibration import _answer_logprob
 from kvcompress.fidelity.measure import prefill
 from kvcompress.models import load_model
 from kvcompress.presses import CompressKVPress
 from kvcompress.ruler.generator import generate
-from kvcompress.ruler.scoring import match
 from kvcompress.ruler.tasks import TASKS
 
-task = sys.argv[1] if len(sys.argv) > 1 else "niah_multikey"
-contexts = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-kept = float(sys.argv[4]) if len(sys.argv) > 4 else 0.5
-length = int(sys.argv[5]) if len(sys.argv) > 5 else 2048
-layer = int(sys.argv[6]) if len(sys.argv) > 6 else 7
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from needle_coverage import PARTS, token_parts  # noqa: E402  (this directory's diagnostics)
-from swap_answers import greedy  # noqa: E402
+from swap_answers import arguments, ask  # noqa: E402
+
+task, contexts, seed, kept, length, rest = arguments(sys.argv[1:])
+layer = int(rest[0]) if rest else 7
 
 
 def rows_of(full, index: list[torch.Tensor], tokens: int, mass: list[torch.Tensor] | None = None):
@@ -98,18 +93,9 @@ with torch.no_grad():
             cache.layers[layer] = rows_of(full.layers[layer], index, n, weights)
             caches[name] = cache
         for question, expected in zip(inputs["questions_ids"], example.answers, strict=True):
-            row = []
-            for name, cache in caches.items():
-                text = tokenizer.decode(greedy(model, cache, n, question, spec.max_new_tokens, tokenizer.eos_token_id))
-                score = match(spec.metric, text, expected)
-                scores[name] += score
-                logprobs[name] += sum(
-                    _answer_logprob(model, cache, n, question,
-                                    tokenizer.encode(" " + a, return_tensors="pt", add_special_tokens=False))
-                    for a in expected) / len(expected)
-                row.append(f"{score:.2f} {text.strip()[:12]!r}")
+            row = ask(model, tokenizer, caches, n, question, expected, spec, scores, logprobs, width=12)
             asked += 1
-            print(f"context {example.index} expected {expected}: " + " | ".join(row), flush=True)
+            print(f"context {example.index} expected {expected}: {row}", flush=True)
 print(f"{task}, {contexts} contexts, seed {seed}, kept {kept}, {length} tokens, layer {layer}, {asked} questions:")
 for name in names:
     print(f"  {name}: score {100 * scores[name] / asked:.1f}, answer log-prob {logprobs[name] / asked:+.3f} nats")

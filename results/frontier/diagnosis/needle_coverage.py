@@ -9,6 +9,7 @@ is found by its key vector, which the press copies unchanged (the fit changes va
 
     python results/frontier/diagnosis/needle_coverage.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [KEY=VALUE ...]
 """
+import os
 import re
 import sys
 
@@ -48,12 +49,11 @@ def token_parts(tokenizer, ids: torch.Tensor, task: str) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    task = sys.argv[1] if len(sys.argv) > 1 else "niah_multikey"
-    contexts = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-    seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    kept = float(sys.argv[4]) if len(sys.argv) > 4 else 0.5
-    length = int(sys.argv[5]) if len(sys.argv) > 5 else 2048
-    overrides = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in sys.argv[6:])}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from swap_answers import arguments  # this directory's diagnostic
+
+    task, contexts, seed, kept, length, rest = arguments(sys.argv[1:])
+    overrides = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rest)}
     torch.set_num_threads(1)
     model, tokenizer = load_model(None)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)

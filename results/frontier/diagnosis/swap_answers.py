@@ -47,13 +47,33 @@ def greedy(model, cache, context_len: int, question: torch.Tensor, new_tokens: i
     return out
 
 
+def arguments(argv: list[str]) -> tuple[str, int, int, float, int, list[str]]:
+    """TASK CONTEXTS SEED KEPT LENGTH (defaults niah_multikey 4 0 0.5 2048) and the arguments after them."""
+    defaults = ("niah_multikey", "4", "0", "0.5", "2048")
+    task, contexts, seed, kept, length = (argv[i] if len(argv) > i else d for i, d in enumerate(defaults))
+    return task, int(contexts), int(seed), float(kept), int(length), argv[5:]
+
+
+def ask(model, tokenizer, caches: dict, context_len: int, question, expected, spec, scores, logprobs, width=24) -> str:
+    """Answer ``question`` greedily on each of ``caches`` (name -> cache), add each answer's score and the expected
+    answers' mean log-prob to ``scores`` / ``logprobs`` (name -> sum); the row of scores and answers to print."""
+    row = []
+    for name, cache in caches.items():
+        answer = greedy(model, cache, context_len, question, spec.max_new_tokens, tokenizer.eos_token_id)
+        text = tokenizer.decode(answer)
+        score = match(spec.metric, text, expected)
+        scores[name] += score
+        logprobs[name] += sum(
+            _answer_logprob(model, cache, context_len, question,
+                            tokenizer.encode(" " + a, return_tensors="pt", add_special_tokens=False))
+            for a in expected) / len(expected)
+        row.append(f"{score:.2f} {text.strip()[:width]!r}")
+    return " | ".join(row)
+
+
 if __name__ == "__main__":
-    task = sys.argv[1] if len(sys.argv) > 1 else "niah_multikey"
-    contexts = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-    seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    kept = float(sys.argv[4]) if len(sys.argv) > 4 else 0.5
-    length = int(sys.argv[5]) if len(sys.argv) > 5 else 2048
-    swapped = [int(x) for x in (sys.argv[6] if len(sys.argv) > 6 else "7").split(",")]
+    task, contexts, seed, kept, length, rest = arguments(sys.argv[1:])
+    swapped = [int(x) for x in (rest[0] if rest else "7").split(",")]
     torch.set_num_threads(1)
     model, tokenizer = load_model(None)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
@@ -73,19 +93,9 @@ if __name__ == "__main__":
                 mixed.layers[layer] = as_weighted(full.layers[layer], ids.shape[1])
             caches = dict(zip(names, (default, mixed, full), strict=True))
             for question, expected in zip(inputs["questions_ids"], example.answers, strict=True):
-                row = []
-                for name, cache in caches.items():
-                    answer = greedy(model, cache, ids.shape[1], question, spec.max_new_tokens, tokenizer.eos_token_id)
-                    text = tokenizer.decode(answer)
-                    score = match(spec.metric, text, expected)
-                    scores[name] += score
-                    logprobs[name] += sum(
-                        _answer_logprob(model, cache, ids.shape[1], question,
-                                        tokenizer.encode(" " + a, return_tensors="pt", add_special_tokens=False))
-                        for a in expected) / len(expected)
-                    row.append(f"{score:.2f} {text.strip()[:24]!r}")
+                row = ask(model, tokenizer, caches, ids.shape[1], question, expected, spec, scores, logprobs)
                 asked += 1
-                print(f"context {example.index} expected {expected}: " + " | ".join(row), flush=True)
+                print(f"context {example.index} expected {expected}: {row}", flush=True)
     print(f"{task}, {contexts} contexts, seed {seed}, kept {kept}, {length} tokens, {asked} questions:")
     for name in names:
         print(f"  {name}: score {100 * scores[name] / asked:.1f}, answer log-prob {logprobs[name] / asked:+.3f} nats")
