@@ -16,7 +16,6 @@ Prints, per cache, the greedy answers' score x 100 and the expected answers' mea
 
     python results/frontier/diagnosis/layer_variants.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [LAYER]
 """
-import copy
 import os
 import sys
 
@@ -32,8 +31,9 @@ from kvcompress.ruler.generator import generate
 from kvcompress.ruler.tasks import TASKS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from needle_coverage import PARTS, token_parts  # noqa: E402  (this directory's diagnostics)
+from needle_coverage import PARTS, held_rows, token_parts  # noqa: E402  (this directory's diagnostics)
 from swap_answers import arguments, ask  # noqa: E402
+from worst_context import with_layers  # noqa: E402
 
 task, contexts, seed, kept, length, rest = arguments(sys.argv[1:])
 layer = int(rest[0]) if rest else 7
@@ -71,10 +71,7 @@ with torch.no_grad():
         needle = token_parts(tokenizer, ids[0], task) != PARTS.index("haystack")  # [n]
         default, _ = prefill(model, press, ids)
         full, _ = prefill(model, None, ids)
-        probe = torch.randn(full.layers[layer].keys.shape[-1], dtype=torch.float64)
-        fingerprint_full = full.layers[layer].keys[0].double() @ probe
-        fingerprint_kept = default.layers[layer].keys[0].double() @ probe
-        held = torch.stack([torch.isin(f, k) for f, k in zip(fingerprint_full, fingerprint_kept, strict=True)])
+        held = held_rows(full.layers[layer], default.layers[layer])
         every = torch.ones(n, dtype=torch.bool)
         chosen = {
             "full": [every.nonzero()[:, 0] for _ in held],
@@ -87,11 +84,8 @@ with torch.no_grad():
         mass = [torch.diff(i, append=torch.tensor([n])).float() for i in kept_rows]  # 1 + dropped rows up to the next
         caches = {"default": default}
         for name, index in chosen.items():
-            cache = copy.copy(default)
-            cache.layers = list(default.layers)
             weights = mass if name == "kept, neighbours' mass" else None
-            cache.layers[layer] = rows_of(full.layers[layer], index, n, weights)
-            caches[name] = cache
+            caches[name] = with_layers(default, {layer: rows_of(full.layers[layer], index, n, weights)})
         for question, expected in zip(inputs["questions_ids"], example.answers, strict=True):
             row = ask(model, tokenizer, caches, n, question, expected, spec, scores, logprobs, width=12)
             asked += 1

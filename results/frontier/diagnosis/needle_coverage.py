@@ -5,7 +5,8 @@ given as KEY=VALUE, read as YAML), and per layer the fraction of each part of th
 tokens its cache holds, averaged over KV heads and needles: the key (``for {key}``; qa: the project's name), the
 value (the number's digits; qa: the maintainer and the city) and the needle's other tokens ("One of the special magic
 numbers ... is:"), with the haystack's for scale. A kept row
-is found by its key vector, which the press copies unchanged (the fit changes values only).
+is found by its key vector, which the press copies unchanged (the fit changes values only): the diagnostics'
+``held_rows``.
 
     python results/frontier/diagnosis/needle_coverage.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [KEY=VALUE ...]
 """
@@ -48,6 +49,15 @@ def token_parts(tokenizer, ids: torch.Tensor, task: str) -> torch.Tensor:
     return part
 
 
+def held_rows(full_layer, kept_layer, chunk: int = 256) -> torch.Tensor:
+    """``[h, n]`` bool: which of the full layer's rows (batch row 0) each KV head of the compressed layer holds,
+    matched by exact key vector (a projection as a fingerprint is not exact: the same row's dot product can round
+    differently in matrices of different sizes)."""
+    full, kept = full_layer.keys[0], kept_layer.keys[0]  # [h, n, d], [h, r, d]
+    return torch.cat([(full[:, i : i + chunk, None] == kept[:, None]).all(-1).any(-1)
+                      for i in range(0, full.shape[1], chunk)], dim=1)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from swap_answers import arguments  # this directory's diagnostic
@@ -67,11 +77,8 @@ if __name__ == "__main__":
             part = token_parts(tokenizer, ids[0], task)
             full, _ = prefill(model, None, ids)
             cache, _ = prefill(model, press, ids)
-            probe = torch.randn(full.layers[0].keys.shape[-1], dtype=torch.float64)
             for layer in range(layers):
-                keys_full = full.layers[layer].keys[0].double() @ probe  # [h, n]: a row's fingerprint
-                keys_kept = cache.layers[layer].keys[0].double() @ probe  # [h, r]
-                held = torch.stack([torch.isin(f, k) for f, k in zip(keys_full, keys_kept, strict=True)]).double()
+                held = held_rows(full.layers[layer], cache.layers[layer]).double()
                 for p in range(len(PARTS)):
                     mask = part == p
                     totals[layer, p] += held[:, mask].mean() if mask.any() else 0.0

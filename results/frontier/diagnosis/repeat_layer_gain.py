@@ -12,7 +12,6 @@ weight 1 and no clip range, so its attention is exactly the full layer's) is A w
 
     python results/frontier/diagnosis/repeat_layer_gain.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [DONOR]
 """
-import copy
 import os
 import sys
 
@@ -35,7 +34,7 @@ donor = sys.argv[6] if len(sys.argv) > 6 else "balanced"
 if donor not in ("balanced", "full"):
     sys.exit(f"DONOR: 'balanced' or 'full', got {donor!r}")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worst_context import as_weighted  # noqa: E402  (this directory's diagnostic, not an installed module)
+from worst_context import as_weighted, with_layers  # noqa: E402  (this directory's diagnostic, not an installed module)
 
 torch.set_num_threads(1)
 model, tokenizer = load_model(None)
@@ -57,9 +56,7 @@ with torch.no_grad():
                 base = _answer_logprob(model, cache_a, ids.shape[1], question, answer)
                 whole += _answer_logprob(model, cache_b, ids.shape[1], question, answer) - base
                 for layer in range(layers):
-                    mixed = copy.copy(cache_a)
-                    mixed.layers = list(cache_a.layers)
-                    mixed.layers[layer] = donor_layers[layer]
+                    mixed = with_layers(cache_a, {layer: donor_layers[layer]})
                     gains[layer] += _answer_logprob(model, mixed, ids.shape[1], question, answer) - base
                 asked += 1
         print(f"context {example.index + 1}/{contexts}", file=sys.stderr, flush=True)

@@ -28,7 +28,7 @@ from kvcompress.ruler.scoring import match
 from kvcompress.ruler.tasks import TASKS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worst_context import as_weighted  # noqa: E402  (this directory's diagnostic, not an installed module)
+from worst_context import as_weighted, with_layers  # noqa: E402  (this directory's diagnostic, not an installed module)
 
 
 def greedy(model, cache, context_len: int, question: torch.Tensor, new_tokens: int, eos: int) -> list[int]:
@@ -87,10 +87,7 @@ if __name__ == "__main__":
             ids = inputs["context_ids"]
             default, _ = prefill(model, press, ids)
             full, _ = prefill(model, None, ids)
-            mixed = copy.copy(default)
-            mixed.layers = list(default.layers)
-            for layer in swapped:
-                mixed.layers[layer] = as_weighted(full.layers[layer], ids.shape[1])
+            mixed = with_layers(default, {layer: as_weighted(full.layers[layer], ids.shape[1]) for layer in swapped})
             caches = dict(zip(names, (default, mixed, full), strict=True))
             for question, expected in zip(inputs["questions_ids"], example.answers, strict=True):
                 row = ask(model, tokenizer, caches, ids.shape[1], question, expected, spec, scores, logprobs)

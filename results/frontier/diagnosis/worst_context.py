@@ -39,6 +39,15 @@ def as_weighted(layer, tokens: int) -> WeightedLayer:
     return WeightedLayer(layer.keys, layer.values, torch.ones(b, h, r), -inf, inf, tokens)
 
 
+def with_layers(cache, replacements: dict):
+    """A shallow copy of ``cache`` with ``replacements`` (layer index -> layer) swapped in; ``cache`` unchanged."""
+    mixed = copy.copy(cache)
+    mixed.layers = list(cache.layers)
+    for layer, replacement in replacements.items():
+        mixed.layers[layer] = replacement
+    return mixed
+
+
 def main(mode: str, seed: str, name: str, *specs: str) -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_model(None, dtype=torch.float32, device="cpu")
@@ -62,9 +71,7 @@ def main(mode: str, seed: str, name: str, *specs: str) -> None:
         return
     a, b = caches[specs[0]], caches[specs[1]]
     for layer in range(len(a.layers)):
-        mixed = copy.copy(a)
-        mixed.layers = list(a.layers)
-        mixed.layers[layer] = as_weighted(b.layers[layer], ctx.ids.shape[1])
+        mixed = with_layers(a, {layer: as_weighted(b.layers[layer], ctx.ids.shape[1])})
         print(f"layer {layer:2d} from {specs[1]}: KL {token_kl(model, ref, mixed, ctx).mean():.4f}", flush=True)
 
 
