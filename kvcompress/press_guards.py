@@ -102,3 +102,30 @@ def refuse_non_finite_layers(flags: list[tuple[int, torch.Tensor]]) -> None:
                     f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
                     "cache passed in holds no token of this prefill, as before the call)"
                 )
+
+
+def check_layer_options(windows: list[int | None], options: list[tuple[str, tuple[int, ...], str]]) -> None:
+    """Per-layer options (``(name, layers, where they came from)``) against the model's layers (``windows``: None for a
+    full-attention layer): each layer a full-attention one, none named by two options, and at least one full-attention
+    layer named by none (the unnamed layers give up the rows the named ones gain)."""
+    full = [index for index, window in enumerate(windows) if window is None]
+    contiguous = len(full) > 1 and full == list(range(full[0], full[-1] + 1))
+    accepted = f"{full[0]} to {full[-1]}" if contiguous else ", ".join(map(str, full)) or "none"
+    seen: dict[int, str] = {}
+    for name, layers, origin in options:
+        for layer in layers:
+            if layer not in full:
+                raise ValueError(
+                    f"{name}: {layer}{origin} is not a full-attention layer of this {len(windows)}-layer model; "
+                    f"accepted: {accepted}"
+                )
+            if layer in seen:
+                raise ValueError(f"{name}: {layer}{origin} is also in {seen[layer]}: name each layer in one of them")
+            seen[layer] = name + origin
+    named = [(name, layers, origin) for name, layers, origin in options if layers]
+    if named and len(seen) == len(full):
+        what = " with ".join(f"{name} {layers!r}{origin}" for name, layers, origin in named)
+        raise ValueError(
+            f"{what.replace(' ', ': ', 1)} names every full-attention layer, so none is left to give up rows: name "
+            "fewer (or change compression_ratio instead)"
+        )

@@ -14,6 +14,7 @@ import torch
 from kvcompress import rng
 from kvcompress._checks import check_choice, check_int_range, check_number
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
+from kvcompress.press_guards import check_layer_options
 from kvcompress.reference import (
     QUERY_SOURCES,
     SOURCES,
@@ -23,7 +24,7 @@ from kvcompress.reference import (
     record_prefill,
     spread_pieces,
 )
-from kvcompress.weighted_press import RowPlan, WeightedSubsetPress
+from kvcompress.weighted_press import RowPlan, WeightedSubsetPress, logger
 
 SELECTIONS = ("attention", "hybrid", "rpnys")
 SCORE_POOLINGS = ("sum", "max")
@@ -73,6 +74,13 @@ class CompressKVPress(WeightedSubsetPress):
     model (layer 18, 25% kept): continuation KL 0.74x SnapKV's [0.64, 0.87] against the uniform press's 0.97x on 48
     contexts; RULER-style 58.1 against its 55.2 (24 per task), the priors' share of the extra rows +3.6 [+1.3, +6.3]
     of that at no KL cost (``docs/BENCHMARKS.md``, "The retrieval layer's extra rows shared with the priors").
+    ``full_layers``: layers kept whole, every context row exactly as the prefill left it (weight 1, no fit: their
+    attention is the uncompressed one); the other full-attention layers outside ``retrieval_layers`` give up an equal
+    share of the rows that costs, so the cache's total rows stay the same up to rounding (at least one middle row left
+    in each). For a layer the answers need whole (DuoAttention's retrieval heads, Xiao et al., arXiv 2410.10819, keep
+    their whole cache for the same reason): on the embedded model, keeping layer 7 whole answers +2.9 [+0.2, +5.9]
+    RULER-style at 25% kept and 2048 tokens (``docs/BENCHMARKS.md``, "What the full layer 7 brings back").
+    Default: none.
     """
 
     sink_size: int = 4
@@ -100,6 +108,7 @@ class CompressKVPress(WeightedSubsetPress):
     retrieval_layers: tuple[int, ...] | str = "auto"
     retrieval_rows: float = 2.0
     retrieval_prior_share: float = 1.0
+    full_layers: tuple[int, ...] = ()
     _retrieval: tuple = field(default=(), init=False, repr=False, compare=False)  # the layers in use
 
     def __post_init__(self) -> None:
@@ -141,6 +150,13 @@ class CompressKVPress(WeightedSubsetPress):
             if len(set(self.retrieval_layers)) != len(self.retrieval_layers):
                 raise ValueError(f"retrieval_layers: must be distinct layer indices, got {self.retrieval_layers!r}")
         self._retrieval = () if self.retrieval_layers == "auto" else self.retrieval_layers
+        if isinstance(self.full_layers, (str, bytes)) or not isinstance(self.full_layers, (tuple, list)):
+            raise ValueError(f"full_layers: must be a list of layer indices, got {self.full_layers!r}")
+        self.full_layers = tuple(self.full_layers)
+        for layer in self.full_layers:
+            check_int_range("full_layers", layer, 0)
+        if len(set(self.full_layers)) != len(self.full_layers):
+            raise ValueError(f"full_layers: must be distinct layer indices, got {self.full_layers!r}")
         check_number("retrieval_rows", self.retrieval_rows, 1)
         check_number("retrieval_prior_share", self.retrieval_prior_share, 0, 1)
         for name, low in (
@@ -245,7 +261,7 @@ class CompressKVPress(WeightedSubsetPress):
 
     def check_model(self, model, windows: list[int | None]) -> None:
         """Resolve ``retrieval_layers="auto"`` from the model's calibration (:func:`kvcompress.calibration.find`; none
-        found: no retrieval layers) and check the layers against the model's full-attention ones."""
+        found: no retrieval layers) and check them and ``full_layers`` against the model's full-attention layers."""
         source = ""
         if self.retrieval_layers == "auto":
             from kvcompress.calibration import find
@@ -253,20 +269,9 @@ class CompressKVPress(WeightedSubsetPress):
             found = find(model)
             self._retrieval = found.retrieval_layers if found is not None else ()
             source = f" (from the calibration of {found.model})" if found is not None else ""
-        full = [index for index, window in enumerate(windows) if window is None]
-        contiguous = len(full) > 1 and full == list(range(full[0], full[-1] + 1))
-        accepted = f"{full[0]} to {full[-1]}" if contiguous else ", ".join(map(str, full)) or "none"
-        for layer in self._retrieval:
-            if layer not in full:
-                raise ValueError(
-                    f"retrieval_layers: {layer}{source} is not a full-attention layer of this {len(windows)}-layer "
-                    f"model; accepted: {accepted}"
-                )
-        if self._retrieval and len(self._retrieval) == len(full):
-            raise ValueError(
-                f"retrieval_layers: {self._retrieval!r}{source} names every full-attention layer, so none is left "
-                "to give up rows: name fewer (or change compression_ratio instead)"
-            )
+        check_layer_options(
+            windows, [("retrieval_layers", self._retrieval, source), ("full_layers", self.full_layers, "")]
+        )
 
     @property
     def active_retrieval_layers(self) -> tuple[int, ...]:
@@ -275,16 +280,27 @@ class CompressKVPress(WeightedSubsetPress):
         return self._retrieval
 
     def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
-        """``retrieval_rows`` times the uniform middle in ``retrieval_layers``; each other full-attention layer gives up
-        an equal share of the rows they gain (at least one middle row left)."""
-        if plan is None or not self._retrieval:
+        """The whole middle in ``full_layers``, ``retrieval_rows`` times the uniform middle in ``retrieval_layers``;
+        each other full-attention layer gives up an equal share of the rows they gain (at least one middle row left)."""
+        if plan is None or not (self._retrieval or self.full_layers):
             return plan
-        wider = min(plan.tokens - plan.sink - plan.window, round(self.retrieval_rows * plan.middle))
-        if layer_idx in self._retrieval:
+        span = plan.tokens - plan.sink - plan.window
+        wider = min(span, round(self.retrieval_rows * plan.middle))
+        if layer_idx in self.full_layers:
+            middle = span
+        elif layer_idx in self._retrieval:
             middle = wider
         else:
-            others = sum(window is None for window in self._windows) - len(self._retrieval)
-            middle = max(1, plan.middle - round((wider - plan.middle) * len(self._retrieval) / others))
+            others = sum(window is None for window in self._windows) - len(self._retrieval) - len(self.full_layers)
+            gained = (wider - plan.middle) * len(self._retrieval) + (span - plan.middle) * len(self.full_layers)
+            middle = plan.middle - round(gained / others)
+            if middle < 1:
+                logger.warning_once(
+                    f"{type(self).__name__}: the layers outside retrieval_layers and full_layers cannot pay for them "
+                    f"at compression_ratio={self.compression_ratio} (each keeps one middle row): the cache holds more "
+                    "rows than the budget; name fewer layers or keep more"
+                )
+                middle = 1
         return RowPlan(plan.tokens, plan.sink, plan.window, middle)
 
     def _prior_rows(self, n: int, rows: int) -> int:
@@ -300,6 +316,9 @@ class CompressKVPress(WeightedSubsetPress):
         return {"novelty": novelty, "induction": min(round(self.induction_share * rows), rows - novelty)}
 
     def compress_middle(self, module, keys, values, start, end, rows, reference):
+        if module.layer_idx in self.full_layers:  # kept whole: the rows as they are, weight 1, no fit
+            weights = torch.ones(*keys.shape[:2], end - start, dtype=torch.float32, device=keys.device)
+            return keys[:, :, start:end], values[:, :, start:end], weights
         if self.selection == "rpnys":
             return compress_by_rpnys(
                 module,
