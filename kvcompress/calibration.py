@@ -15,6 +15,15 @@ the needle's digits (teacher-forced after the question) lost against the default
 one short forward per layer, instead of one RULER run per layer. :func:`choose` keeps the layers that lose at least
 ``threshold`` nats.
 
+The second scan (:func:`full_layer_gains`, optional: ``kvcompress calibrate --full-lengths``) finds the layers the
+answers need whole (``CompressKVPress(full_layers="auto")``): per RULER-style context of a multi-fact task (``qa`` by
+default), one prefill under the calibrated press and one uncompressed; each layer's score is the log-prob the expected
+answers gain when the press's cache takes that one layer from the uncompressed one (the same exact swap). A layer that
+recovers at least ``full_share`` of the whole uncompressed cache's gain at every scanned length is kept whole
+(:func:`choose_full`): on the embedded model the multi-key and qa answers lost at 50% kept are mostly layer 7's
+(``docs/BENCHMARKS.md``, "What the full layer 7 brings back"), and the layer that leads depends on the length, so a
+layer is named only where it holds its share at each one.
+
 A calibration is a JSON file (:class:`Calibration`); ``kvcompress calibrate`` writes one into
 :func:`user_directory`, and the press's ``"auto"`` looks a model up there, then among the calibrations shipped in
 ``kvcompress/calibrations/``, by the model's name and shape (:func:`model_identity`).
@@ -25,13 +34,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 SHIPPED = Path(__file__).parent / "calibrations"
 THRESHOLD = 2.0  # nats of the needle's log-prob lost with the priors off in one layer: a retrieval layer
+FULL_SHARE = 0.25  # of the uncompressed cache's answer log-prob gain one layer recovers at every length: kept whole
 FORMAT = 1
 
 
@@ -42,13 +52,19 @@ class Calibration:
     ``model``: the name it is looked up by (the last part of ``config.name_or_path``); ``shape``: its layer count,
     hidden size and attention heads (a model of the same name with another shape does not match); ``drops``: per
     layer, the mean needle log-prob (nats) lost with the priors off there (None for a sliding-window layer);
-    ``settings``: how the scan ran (task, length, contexts, fraction kept, seed, threshold)."""
+    ``settings``: how the scan ran (task, length, contexts, fraction kept, seed, threshold). ``full_layers``: the
+    layers kept whole (empty if the second scan did not run or named none); ``full_gains``: per scanned length, the
+    uncompressed cache's answer log-prob gain (``"whole"``) and each layer's (``"layers"``, None for a sliding-window
+    layer); ``full_settings``: how that scan ran."""
 
     model: str
     shape: dict
     retrieval_layers: tuple[int, ...]
     drops: tuple[float | None, ...]
     settings: dict
+    full_layers: tuple[int, ...] = ()
+    full_gains: dict = field(default_factory=dict)
+    full_settings: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=1) + "\n"
@@ -66,7 +82,11 @@ class Calibration:
                 raise ValueError(f"shape must map names to integers, got {shape!r}")
             if not isinstance(drops, list) or not all(d is None or isinstance(d, (int, float)) for d in drops):
                 raise ValueError(f"drops must be a list of numbers (null for a sliding-window layer), got {drops!r}")
-            return cls(str(data["model"]), dict(shape), tuple(layers), tuple(drops), dict(data["settings"]))
+            full = data.get("full_layers", [])
+            if not isinstance(full, list) or not all(isinstance(x, int) and x >= 0 for x in full):
+                raise ValueError(f"full_layers must be a list of layer indices, got {full!r}")
+            return cls(str(data["model"]), dict(shape), tuple(layers), tuple(drops), dict(data["settings"]),
+                       tuple(full), dict(data.get("full_gains", {})), dict(data.get("full_settings", {})))  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"calibration: {source} is not a kvcompress calibration ({err})") from None
 
@@ -181,20 +201,99 @@ def layer_drops(model, tokenizer, kept: float = 0.25, length: int = 1024, contex
     return tuple(None if w is not None else round(t / asked, 4) for t, w in zip(totals, windows, strict=True))
 
 
+@torch.no_grad()
+def full_layer_gains(model, tokenizer, press, task: str = "qa", length: int = 2048, contexts: int = 8, seed: int = 0,
+                     progress=None) -> dict:  # fmt: skip
+    """``{"whole": g, "layers": [g_0, ...]}``: the mean log-prob (nats per expected answer) the answers of
+    ``contexts`` RULER-style ``task`` contexts of ``length`` tokens gain over ``press``'s cache when it is replaced by
+    the uncompressed cache (``whole``), or when only layer ``l`` is (``layers[l]``; None for a sliding-window layer).
+    As in :func:`layer_drops` each layer is compressed from its own keys and queries, so the cache with layer ``l``
+    swapped is exactly ``press`` with ``l`` kept whole, before the other layers pay for it."""
+    import kvpress  # noqa: F401  (registers the pipeline)
+    from transformers import pipeline
+
+    from kvcompress.cache import WeightedLayer
+    from kvcompress.fidelity.measure import prefill
+    from kvcompress.ruler.generator import generate
+    from kvcompress.window import layer_windows
+
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    windows = layer_windows(model) or [None] * model.config.num_hidden_layers
+    whole, totals, asked = 0.0, [0.0] * len(windows), 0
+    for example in generate(task, tokenizer, length, contexts, seed):
+        inputs = pipe.preprocess(example.context, list(example.questions), example.answer_prefix, 1 << 30)
+        ids = inputs["context_ids"]
+        n = ids.shape[1]
+        compressed, _ = prefill(model, press, ids)
+        exact, _ = prefill(model, None, ids)
+        kept_whole = {
+            index: WeightedLayer(layer.keys, layer.values, torch.ones(layer.keys.shape[:3]), layer.values.amin(2),
+                                 layer.values.amax(2), n)  # fmt: skip
+            for index, (layer, window) in enumerate(zip(exact.layers, windows, strict=True))
+            if window is None
+        }
+        for question, expected in zip(inputs["questions_ids"], example.answers, strict=True):
+            for text in expected:
+                answer = tokenizer.encode(" " + text, return_tensors="pt", add_special_tokens=False)
+                base = _answer_logprob(model, compressed, n, question, answer)
+                whole += _answer_logprob(model, exact, n, question, answer) - base
+                for index, layer in kept_whole.items():
+                    swapped = copy.copy(compressed)
+                    swapped.layers = list(compressed.layers)
+                    swapped.layers[index] = layer
+                    totals[index] += _answer_logprob(model, swapped, n, question, answer) - base
+                asked += 1
+        if progress is not None:
+            progress(example.index + 1, contexts)
+    layers = [None if w is not None else round(t / asked, 4) for t, w in zip(totals, windows, strict=True)]
+    return {"whole": round(whole / asked, 4), "layers": layers}
+
+
+def choose_full(gains: dict, share: float = FULL_SHARE, most: int = 1) -> tuple[int, ...]:
+    """From :func:`full_layer_gains` per length (``{length: {"whole": .., "layers": [..]}}``), the layers that recover
+    at least ``share`` of the uncompressed cache's gain at every length (none where that gain is not positive), at
+    most ``most`` of them, the largest smallest share first."""
+    if not gains or any(g["whole"] <= 0 for g in gains.values()):
+        return ()
+    count = len(next(iter(gains.values()))["layers"])
+    smallest = {
+        layer: min(g["layers"][layer] / g["whole"] for g in gains.values())
+        for layer in range(count)
+        if all(g["layers"][layer] is not None for g in gains.values())
+    }
+    return tuple(sorted((x for x in smallest if smallest[x] >= share), key=lambda x: -smallest[x])[:most])
+
+
 def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts: int = 8, seed: int = 0,
-              threshold: float = THRESHOLD, progress=None) -> Calibration:  # fmt: skip
-    """Scan ``model`` (:func:`layer_drops`) and :func:`choose` its retrieval layers."""
+              threshold: float = THRESHOLD, progress=None, full_lengths: tuple[int, ...] = (), full_task: str = "qa",
+              full_kept: float = 0.5, full_share: float = FULL_SHARE, full_most: int = 1) -> Calibration:  # fmt: skip
+    """Scan ``model`` (:func:`layer_drops`) and :func:`choose` its retrieval layers; with ``full_lengths``, then scan
+    the press with those layers at each length (:func:`full_layer_gains`, ``full_kept`` kept) and
+    :func:`choose_full` the layers kept whole."""
+    from kvcompress.presses import CompressKVPress
+
     drops = layer_drops(model, tokenizer, kept, length, contexts, seed, progress)
     name, shape = model_identity(model)
     settings = {"task": "niah_single", "length": length, "contexts": contexts, "kept": kept,
                 "seed": seed, "threshold": threshold}  # fmt: skip
-    return Calibration(name, shape, choose(drops, threshold), drops, settings)
+    retrieval = choose(drops, threshold)
+    gains, full_settings = {}, {}
+    if full_lengths:
+        press = CompressKVPress(compression_ratio=1 - full_kept, seed=seed, retrieval_layers=retrieval)
+        for tokens in full_lengths:
+            gains[str(tokens)] = full_layer_gains(model, tokenizer, press, full_task, tokens, contexts, seed, progress)
+        full_settings = {"task": full_task, "lengths": list(full_lengths), "contexts": contexts, "kept": full_kept,
+                         "seed": seed, "share": full_share, "most": full_most}  # fmt: skip
+    full = choose_full(gains, full_share, full_most)
+    return Calibration(name, shape, retrieval, drops, settings, full, gains, full_settings)
 
 
 def main(argv: list[str]) -> int:
     """``kvcompress calibrate``: scan a model, print each layer's drop, file the calibration; exit 2 on bad flags."""
     import argparse
     import sys
+
+    from kvcompress.ruler.tasks import TASKS
 
     p = argparse.ArgumentParser(
         prog="kvcompress calibrate",
@@ -209,6 +308,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the contexts (default 0)")
     p.add_argument("--threshold", type=float, default=THRESHOLD,
                    help=f"nats of the needle's log-prob lost that make a retrieval layer (default {THRESHOLD})")
+    p.add_argument("--full-lengths", type=int, nargs="+", default=[], metavar="TOKENS",
+                   help="also scan for the layers the answers need whole (CompressKVPress(full_layers='auto')) at "
+                        "these context lengths (e.g. 1024 2048, up to the longest your contexts reach; one short "
+                        "forward per layer and expected answer); default: no such scan")  # fmt: skip
+    p.add_argument("--full-task", default="qa", choices=sorted(TASKS),
+                   help="RULER-style task of that scan (default qa: facts asked about a document)")
+    p.add_argument("--full-ratio", type=float, default=0.5, help="KEPT fraction of that scan (default 0.5)")
+    p.add_argument("--full-share", type=float, default=FULL_SHARE,
+                   help="a layer kept whole recovers at least this share of the uncompressed cache's answer log-prob "
+                        f"gain at every length (default {FULL_SHARE})")  # fmt: skip
+    p.add_argument("--full-most", type=int, default=1, help="at most this many layers kept whole (default 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="default auto: cuda if torch sees a GPU")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -217,9 +327,14 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not 0 < args.ratio < 1:
         p.error(f"--ratio: must be in (0, 1), got {args.ratio}")
+    if not 0 < args.full_ratio < 1:
+        p.error(f"--full-ratio: must be in (0, 1), got {args.full_ratio}")
+    if not 0 < args.full_share <= 1:
+        p.error(f"--full-share: must be in (0, 1], got {args.full_share}")
     if not args.threshold > 0:
         p.error(f"--threshold: must be > 0, got {args.threshold}")
-    for name, value, low in (("--length", args.length, 64), ("--contexts", args.contexts, 1)):
+    checked = [("--length", args.length, 64), ("--contexts", args.contexts, 1), ("--full-most", args.full_most, 1)]
+    for name, value, low in checked + [("--full-lengths", value, 64) for value in args.full_lengths]:
         if value < low:
             p.error(f"{name}: must be an integer >= {low}, got {value}")
     if args.threads is not None and args.threads < 1:
@@ -237,7 +352,9 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         found = calibrate(model, tokenizer, args.ratio, args.length, args.contexts, args.seed, args.threshold,
-                          progress=lambda i, n: print(f"context {i}/{n}", file=sys.stderr, flush=True))
+                          progress=lambda i, n: print(f"context {i}/{n}", file=sys.stderr, flush=True),
+                          full_lengths=tuple(args.full_lengths), full_task=args.full_task, full_kept=args.full_ratio,
+                          full_share=args.full_share, full_most=args.full_most)  # fmt: skip
     except ValueError as err:  # a length too short for the task
         print(f"kvcompress calibrate: error: {err}", file=sys.stderr)
         return 2
@@ -245,6 +362,13 @@ def main(argv: list[str]) -> int:
     for layer, drop in enumerate(found.drops):
         mark = "  <- retrieval layer" if layer in found.retrieval_layers else ""
         print(f"{layer:5d}  {'sliding window' if drop is None else f'{drop:.3f}'}{mark}")
+    for tokens, gains in found.full_gains.items():
+        print(f"\n{tokens} tokens, {found.full_settings['task']}: the uncompressed cache gains {gains['whole']:+.3f} "
+              "nats per answer; each layer kept whole:")  # fmt: skip
+        for layer, gain in enumerate(gains["layers"]):
+            mark = "  <- kept whole" if layer in found.full_layers else ""
+            print(f"{layer:5d}  {'sliding window' if gain is None else f'{gain:+.3f}'}{mark}")
     path = found.save(args.output or user_directory() / file_name(found.model))
-    print(f"retrieval layers {list(found.retrieval_layers)} filed in {path}")
+    kept_whole = f", layers kept whole {list(found.full_layers)}" if found.full_settings else ""
+    print(f"retrieval layers {list(found.retrieval_layers)}{kept_whole} filed in {path}")
     return 0

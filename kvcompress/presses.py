@@ -108,8 +108,9 @@ class CompressKVPress(WeightedSubsetPress):
     retrieval_layers: tuple[int, ...] | str = "auto"
     retrieval_rows: float = 2.0
     retrieval_prior_share: float = 1.0
-    full_layers: tuple[int, ...] = ()
+    full_layers: tuple[int, ...] | str = ()
     _retrieval: tuple = field(default=(), init=False, repr=False, compare=False)  # the layers in use
+    _full: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -150,13 +151,15 @@ class CompressKVPress(WeightedSubsetPress):
             if len(set(self.retrieval_layers)) != len(self.retrieval_layers):
                 raise ValueError(f"retrieval_layers: must be distinct layer indices, got {self.retrieval_layers!r}")
         self._retrieval = () if self.retrieval_layers == "auto" else self.retrieval_layers
-        if isinstance(self.full_layers, (str, bytes)) or not isinstance(self.full_layers, (tuple, list)):
-            raise ValueError(f"full_layers: must be a list of layer indices, got {self.full_layers!r}")
-        self.full_layers = tuple(self.full_layers)
-        for layer in self.full_layers:
-            check_int_range("full_layers", layer, 0)
-        if len(set(self.full_layers)) != len(self.full_layers):
-            raise ValueError(f"full_layers: must be distinct layer indices, got {self.full_layers!r}")
+        if self.full_layers != "auto":
+            if isinstance(self.full_layers, (str, bytes)) or not isinstance(self.full_layers, (tuple, list)):
+                raise ValueError(f"full_layers: must be a list of layer indices or 'auto', got {self.full_layers!r}")
+            self.full_layers = tuple(self.full_layers)
+            for layer in self.full_layers:
+                check_int_range("full_layers", layer, 0)
+            if len(set(self.full_layers)) != len(self.full_layers):
+                raise ValueError(f"full_layers: must be distinct layer indices, got {self.full_layers!r}")
+        self._full = () if self.full_layers == "auto" else self.full_layers
         check_number("retrieval_rows", self.retrieval_rows, 1)
         check_number("retrieval_prior_share", self.retrieval_prior_share, 0, 1)
         for name, low in (
@@ -260,18 +263,23 @@ class CompressKVPress(WeightedSubsetPress):
         )  # fmt: skip
 
     def check_model(self, model, windows: list[int | None]) -> None:
-        """Resolve ``retrieval_layers="auto"`` from the model's calibration (:func:`kvcompress.calibration.find`; none
-        found: no retrieval layers) and check them and ``full_layers`` against the model's full-attention layers."""
+        """Resolve ``retrieval_layers="auto"`` and ``full_layers="auto"`` from the model's calibration
+        (:func:`kvcompress.calibration.find`; none found: no such layers) and check both against the model's
+        full-attention layers."""
         source = ""
-        if self.retrieval_layers == "auto":
+        if "auto" in (self.retrieval_layers, self.full_layers):
             from kvcompress.calibration import find
 
             found = find(model)
-            self._retrieval = found.retrieval_layers if found is not None else ()
             source = f" (from the calibration of {found.model})" if found is not None else ""
-        check_layer_options(
-            windows, [("retrieval_layers", self._retrieval, source), ("full_layers", self.full_layers, "")]
-        )
+            if self.retrieval_layers == "auto":
+                self._retrieval = found.retrieval_layers if found is not None else ()
+            if self.full_layers == "auto":
+                self._full = found.full_layers if found is not None else ()
+        check_layer_options(windows, [
+            ("retrieval_layers", self._retrieval, source if self.retrieval_layers == "auto" else ""),
+            ("full_layers", self._full, source if self.full_layers == "auto" else ""),
+        ])  # fmt: skip
 
     @property
     def active_retrieval_layers(self) -> tuple[int, ...]:
@@ -279,20 +287,26 @@ class CompressKVPress(WeightedSubsetPress):
         (known once the press has met the model: ``with press(model)`` or :meth:`check_model`)."""
         return self._retrieval
 
+    @property
+    def active_full_layers(self) -> tuple[int, ...]:
+        """The layers kept whole: ``full_layers``, or for ``"auto"`` those of the model's calibration (known once the
+        press has met the model)."""
+        return self._full
+
     def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
         """The whole middle in ``full_layers``, ``retrieval_rows`` times the uniform middle in ``retrieval_layers``;
         each other full-attention layer gives up an equal share of the rows they gain (at least one middle row left)."""
-        if plan is None or not (self._retrieval or self.full_layers):
+        if plan is None or not (self._retrieval or self._full):
             return plan
         span = plan.tokens - plan.sink - plan.window
         wider = min(span, round(self.retrieval_rows * plan.middle))
-        if layer_idx in self.full_layers:
+        if layer_idx in self._full:
             middle = span
         elif layer_idx in self._retrieval:
             middle = wider
         else:
-            others = sum(window is None for window in self._windows) - len(self._retrieval) - len(self.full_layers)
-            gained = (wider - plan.middle) * len(self._retrieval) + (span - plan.middle) * len(self.full_layers)
+            others = sum(window is None for window in self._windows) - len(self._retrieval) - len(self._full)
+            gained = (wider - plan.middle) * len(self._retrieval) + (span - plan.middle) * len(self._full)
             middle = plan.middle - round(gained / others)
             if middle < 1:
                 logger.warning_once(
@@ -316,7 +330,7 @@ class CompressKVPress(WeightedSubsetPress):
         return {"novelty": novelty, "induction": min(round(self.induction_share * rows), rows - novelty)}
 
     def compress_middle(self, module, keys, values, start, end, rows, reference):
-        if module.layer_idx in self.full_layers:  # kept whole: the rows as they are, weight 1, no fit
+        if module.layer_idx in self._full:  # kept whole: the rows as they are, weight 1, no fit
             weights = torch.ones(*keys.shape[:2], end - start, dtype=torch.float32, device=keys.device)
             return keys[:, :, start:end], values[:, :, start:end], weights
         if self.selection == "rpnys":

@@ -113,21 +113,30 @@ def press_settings(press, model=None) -> dict[str, Any]:
         return repr(value)
 
     settings = {f.name: plain(getattr(press, f.name)) for f in dataclasses.fields(press) if f.init}
-    if getattr(press, "retrieval_layers", None) == "auto" and model is not None:
+    auto = [name for name in ("retrieval_layers", "full_layers") if getattr(press, name, None) == "auto"]
+    if auto and model is not None:
         from kvcompress.window import layer_windows
 
         press.check_model(model, layer_windows(model))
-        settings["active_retrieval_layers"] = list(press.active_retrieval_layers)
+        for name in auto:
+            settings[f"active_{name}"] = list(getattr(press, f"active_{name}"))
     return settings
+
+
+# Press fields added after runs recorded their settings, with the value that computes what those runs did: a run
+# recorded without the field is the same press where the field holds that value.
+ADDED_FIELDS: dict[str, Any] = {"full_layers": []}
 
 
 def press_change(before: dict[str, Any] | None, now: dict[str, Any], layers_before: list[int]) -> str:
     """How the :func:`press_settings` ``now`` differ from those earlier results were made with, for an error line
     (``""`` if they do not): ``before``, their first differing fields; where the settings were not recorded (None),
-    only the retrieval layers then, ``layers_before`` (none before calibrations)."""
+    only the retrieval layers then, ``layers_before`` (none before calibrations); a field added since
+    (``ADDED_FIELDS``) is unchanged where it holds the value that computes what the earlier press did."""
     if before is None:
         layers = now.get("active_retrieval_layers")
         return f"retrieval layers {layers_before} there, {layers} now" if layers not in (None, layers_before) else ""
+    before = {**{key: value for key, value in ADDED_FIELDS.items() if key in now}, **before}
     keys = [key for key in sorted(set(before) | set(now)) if before.get(key, "-") != now.get(key, "-")]
     return "; ".join(f"{key}: {before.get(key, '-')!r} there, {now.get(key, '-')!r} now" for key in keys[:3])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,12 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             press.check_model(model, layer_windows(model))
         except ValueError as err:  # a calibration's layers name the file's model instead (the message says which)
-            where = "--model" if getattr(press, "retrieval_layers", None) == "auto" else "--press-option"
+            # a layer named by the model's calibration (the message says so right after it), else by a flag
+            where = "--model" if re.match(r"^\w+: \S+ \(from the calibration of", str(err)) else "--press-option"
             print(f"kvcompress serve: error: {where}: {err}", file=sys.stderr)
             return 2
-        if getattr(press, "retrieval_layers", None) == "auto":
-            logging.getLogger("kvcompress.serve").info(
-                "retrieval layers from the model's calibration: %s", list(press.active_retrieval_layers) or "none")
+        for name in ("retrieval_layers", "full_layers"):
+            if getattr(press, name, None) == "auto":
+                logging.getLogger("kvcompress.serve").info(
+                    "%s from the model's calibration: %s", name, list(getattr(press, f"active_{name}")) or "none")
     served = args.served_model_name or (EMBEDDED_MODEL if args.model is None else Path(args.model.rstrip("/")).name
                                         if Path(args.model).exists() else args.model)
     metrics = ServerMetrics()
