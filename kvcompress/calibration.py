@@ -155,8 +155,9 @@ def _answer_logprob(model, cache, context_len: int, question: torch.Tensor, answ
     """Log-prob of ``answer [1, a]`` teacher-forced after ``question [1, q]`` on a copy of ``cache``."""
     ids = torch.cat([question, answer], dim=1).to(model.device)
     positions = torch.arange(context_len, context_len + ids.shape[1], device=model.device)[None]
-    logits = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=positions).logits[0]
-    logp = torch.log_softmax(logits[question.shape[1] - 1 : -1].float(), dim=-1)
+    keep = answer.shape[1] + 1  # the logits that predict the answer (the vocabulary projection dominates the cost)
+    logits = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=positions, logits_to_keep=keep)
+    logp = torch.log_softmax(logits.logits[0, :-1].float(), dim=-1)
     return logp.gather(-1, answer[0].to(model.device)[:, None]).sum().item()
 
 
