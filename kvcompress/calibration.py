@@ -177,7 +177,8 @@ def layer_drops(model, tokenizer, kept: float = 0.25, length: int = 1024, contex
     from kvcompress.window import layer_windows
 
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    default = CompressKVPress(compression_ratio=1 - kept, seed=seed, retrieval_layers=())  # uniform: what is scanned
+    # uniform (no retrieval layer, no layer kept whole, whatever the model's calibration): what is scanned
+    default = CompressKVPress(compression_ratio=1 - kept, seed=seed, retrieval_layers=(), full_layers=())
     plain = replace(default, novelty_share=0.0, induction_share=0.0)
     windows = layer_windows(model) or [None] * model.config.num_hidden_layers
     totals = [0.0] * len(windows)
@@ -280,7 +281,7 @@ def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts
     retrieval = choose(drops, threshold)
     gains, full_settings = {}, {}
     if full_lengths:
-        press = CompressKVPress(compression_ratio=1 - full_kept, seed=seed, retrieval_layers=retrieval)
+        press = CompressKVPress(compression_ratio=1 - full_kept, seed=seed, retrieval_layers=retrieval, full_layers=())
         for tokens in full_lengths:
             gains[str(tokens)] = full_layer_gains(model, tokenizer, press, full_task, tokens, contexts, seed, progress)
         full_settings = {"task": full_task, "lengths": list(full_lengths), "contexts": contexts, "kept": full_kept,

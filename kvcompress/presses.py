@@ -108,7 +108,7 @@ class CompressKVPress(WeightedSubsetPress):
     retrieval_layers: tuple[int, ...] | str = "auto"
     retrieval_rows: float = 2.0
     retrieval_prior_share: float = 1.0
-    full_layers: tuple[int, ...] | str = ()
+    full_layers: tuple[int, ...] | str = "auto"
     _retrieval: tuple = field(default=(), init=False, repr=False, compare=False)  # the layers in use
     _full: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -184,7 +184,7 @@ class CompressKVPress(WeightedSubsetPress):
         ``overrides`` change single fields of that setting (e.g. ``window_size=128``)."""
         settings = dict(
             sink_size=32, window_size=32, selection="rpnys", reference=(), fit="none", bin_rank=12, query_radius="keys",
-            retrieval_layers=(),
+            retrieval_layers=(), full_layers=(),
         )
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
@@ -195,7 +195,7 @@ class CompressKVPress(WeightedSubsetPress):
         exactly, 4 sink tokens, no recent window, no fit. Unlike KVzip the repeat pass re-reads the context without
         its reconstruction prompt, and the softmax runs over the context keys only."""
         settings = dict(sink_size=4, window_size=0, reference=("repeat",), score_pooling="max", fit="none",
-                        retrieval_layers=())
+                        retrieval_layers=(), full_layers=())
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
     @classmethod
@@ -206,7 +206,7 @@ class CompressKVPress(WeightedSubsetPress):
         it (``docs/BENCHMARKS.md``, RULER-style). The pass is streamed layer by layer (one layer's full cache held at
         a time) on models without sliding-window layers; elsewhere, and for padded batches, the full cache is held
         until it ends."""
-        settings = dict(reference=("window", "repeat"), score_pooling="max", retrieval_layers=())
+        settings = dict(reference=("window", "repeat"), score_pooling="max", retrieval_layers=(), full_layers=())
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
     @classmethod
@@ -227,7 +227,7 @@ class CompressKVPress(WeightedSubsetPress):
         level at 50%)."""
         settings = dict(
             reference=("window", "novelty", "induction", "repeat"), repeat_fraction=0.25, repeat_span=32,
-            repeat_pieces="novel", fit_queries=64,
+            repeat_pieces="novel", fit_queries=64, full_layers=(),
         )  # fmt: skip
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 

@@ -161,3 +161,19 @@ def test_the_embedded_models_calibration_names_layer_7_to_keep_whole(embedded_di
     assert set(found.full_gains) == {"1024", "2048"} and found.full_settings["task"] == "qa"
     assert found.full_layers == cal.choose_full(found.full_gains, found.full_settings["share"])
     assert max(found.full_gains["1024"]["layers"]) == found.full_gains["1024"]["layers"][23]
+
+
+def test_both_scans_measure_presses_that_keep_no_layer_whole_whatever_the_models_calibration(tokenizer, monkeypatch):
+    """A model whose calibration keeps a layer whole is scanned as one without: the retrieval scan's uniform press and
+    the full-layer scan's press keep every layer compressed (the default's full_layers="auto" would not)."""
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
+    plain = cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2)
+    gains = cal.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey").full_gains
+    found = cal.Calibration("x", cal.model_identity(model)[1], (), (0.0,) * 3, {}, (1,))
+    monkeypatch.setattr(cal, "find", lambda m: found)
+    assert cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2) == plain
+    again = cal.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey")
+    assert again.full_gains == gains
+    auto = press()
+    auto.check_model(model, [None] * 3)
+    assert auto.active_full_layers == (1,)  # where the default would have kept layer 1 whole
