@@ -66,8 +66,8 @@ def test_no_full_layer_keeps_the_default_cache_bit_for_bit():
 @pytest.mark.parametrize(
     "value, message",
     [
-        (7, r"^full_layers: must be a list of layer indices, got 7$"),
-        ("7", r"^full_layers: must be a list of layer indices, got '7'$"),
+        (7, r"^full_layers: must be a list of layer indices or 'auto', got 7$"),
+        ("7", r"^full_layers: must be a list of layer indices or 'auto', got '7'$"),
         ([-1], r"^full_layers"),
         ([1.0], r"^full_layers"),
         ([2, 2], r"^full_layers: must be distinct layer indices, got \(2, 2\)$"),
