@@ -49,9 +49,9 @@ def test_attention_error_lower_than_uniform_subset_of_same_size(model_and_contex
         full, _ = prefill(model, None, ctx.ids)
         recorder.remove()
         for press, errors in (
-            # the same rows in every layer as the uniform subset (no calibrated retrieval layer: layer by layer)
-            (CompressKVPress(compression_ratio=0.75, sink_size=32, window_size=32, seed=index, retrieval_layers=()),
-             ours),
+            # the same rows in every layer as the uniform subset (no calibrated layers: layer by layer)
+            (CompressKVPress(compression_ratio=0.75, sink_size=32, window_size=32, seed=index, retrieval_layers=(),
+                             full_layers=()), ours),
             (UniformPress(compression_ratio=0.75, sink_size=32, window_size=32, seed=index), uniform),
         ):
             cache, _ = prefill(model, press, ctx.ids)

@@ -115,7 +115,7 @@ class Scheduler:
         if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
             room = (self.memory - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
             room -= room % self.engine.capacity_step  # a compiled server's batch holds whole steps of rows
-            job.max_tokens = max(1, min(job.max_tokens, room - (need[0] - job.max_tokens)))  # 1: no batch rows
+            job.max_tokens = max(1, min(job.max_tokens, room - (max(need) - job.max_tokens)))  # 1: no batch rows
             need, _, _ = self._estimate(job, peek=True)
             alone = max(context_bytes, self._batch_bytes(1, self._capacity([], need)))
         if context_bytes > self.memory:  # whatever max_tokens: the compressed context alone is too large
@@ -141,22 +141,23 @@ class Scheduler:
         return batch_bytes(sessions, capacities, e.batch_row_bytes, e.batch_session_bytes)
 
     def _estimate(self, job: Job, peek: bool = False) -> tuple[tuple[int, ...], int, tuple | None]:
-        """(batch rows the session will reserve, as one value for every layer, () for none; bytes its context adds
-        to the store; the key of the stored entry it will use). A stored context's rows are known (its widest
-        layer's); a new one is estimated from the press's kept fraction and checked again after its prefill."""
+        """(batch rows the session will reserve, per layer or one value for every layer, () for none; bytes its
+        context adds to the store; the key of the stored entry it will use). A stored context's rows are known, layer
+        by layer (a press that keeps some layers wider or whole holds fewer rows in the others); a new one is
+        estimated from the press's kept fraction, one value for every layer, and checked again after its prefill."""
         e = self.engine
         entry = None if peek else e.stored(job.context_ids)
         key = None
         if entry is not None:
-            rows, new_bytes, key = max(layer.keys.shape[-2] for layer in entry.cache.layers), 0, entry.key
+            rows, new_bytes, key = tuple(layer.keys.shape[-2] for layer in entry.cache.layers), 0, entry.key
         else:
-            rows = math.ceil(len(job.context_ids) * e.kept_fraction)
-            new_bytes = rows * e.context_row_bytes
+            rows = (math.ceil(len(job.context_ids) * e.kept_fraction),)
+            new_bytes = rows[0] * e.context_row_bytes
             if not peek and job.context_ids:  # a stored earlier turn of this chat is used, not evicted
                 min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))
                 prefix = e.store.longest_prefix(tuple(job.context_ids), e.model_name, e.press_label, min_tokens)
                 key = prefix.key if prefix is not None else None
-        need = () if job.max_tokens <= 1 else (rows + len(job.question_ids) + job.max_tokens - 1,)
+        need = () if job.max_tokens <= 1 else tuple(r + len(job.question_ids) + job.max_tokens - 1 for r in rows)
         return need, new_bytes, key
 
     def _capacity(self, sessions: list[Session], need: tuple[int, ...] = ()) -> tuple[int, ...]:
