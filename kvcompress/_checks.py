@@ -27,6 +27,18 @@ def check_int_range(name: str, value: object, low: int, high: int | None = None)
     return value
 
 
+def check_layer_list(name: str, value: object) -> tuple[int, ...] | str:
+    """``"auto"``, or distinct layer indices (a list or tuple of ints >= 0) as a tuple."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+        raise ValueError(f"{name}: must be a list of layer indices or 'auto', got {value!r}")
+    layers = tuple(check_int_range(name, layer, 0) for layer in value)
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{name}: must be distinct layer indices, got {layers!r}")
+    return layers
+
+
 def check_compression_ratio(value: object) -> float:
     """A press's ``compression_ratio``: the fraction of the context removed, in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:  # NaN fails too

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvcompress import rng
-from kvcompress._checks import check_choice, check_int_range, check_number
+from kvcompress._checks import check_choice, check_int_range, check_layer_list, check_number
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
 from kvcompress.press_guards import check_layer_options
 from kvcompress.reference import (
@@ -143,25 +143,9 @@ class CompressKVPress(WeightedSubsetPress):
         if not isinstance(self.novelty_value_norm, bool):
             raise ValueError(f"novelty_value_norm: must be True or False, got {self.novelty_value_norm!r}")
         check_number("induction_share", self.induction_share, 0, 1)
-        if self.retrieval_layers != "auto":
-            if isinstance(self.retrieval_layers, (str, bytes)) or not isinstance(self.retrieval_layers, (tuple, list)):
-                raise ValueError(
-                    f"retrieval_layers: must be a list of layer indices or 'auto', got {self.retrieval_layers!r}"
-                )
-            self.retrieval_layers = tuple(self.retrieval_layers)
-            for layer in self.retrieval_layers:
-                check_int_range("retrieval_layers", layer, 0)
-            if len(set(self.retrieval_layers)) != len(self.retrieval_layers):
-                raise ValueError(f"retrieval_layers: must be distinct layer indices, got {self.retrieval_layers!r}")
+        self.retrieval_layers = check_layer_list("retrieval_layers", self.retrieval_layers)
         self._retrieval = () if self.retrieval_layers == "auto" else self.retrieval_layers
-        if self.full_layers != "auto":
-            if isinstance(self.full_layers, (str, bytes)) or not isinstance(self.full_layers, (tuple, list)):
-                raise ValueError(f"full_layers: must be a list of layer indices or 'auto', got {self.full_layers!r}")
-            self.full_layers = tuple(self.full_layers)
-            for layer in self.full_layers:
-                check_int_range("full_layers", layer, 0)
-            if len(set(self.full_layers)) != len(self.full_layers):
-                raise ValueError(f"full_layers: must be distinct layer indices, got {self.full_layers!r}")
+        self.full_layers = check_layer_list("full_layers", self.full_layers)
         self._full = () if self.full_layers == "auto" else self.full_layers
         check_number("retrieval_rows", self.retrieval_rows, 1)
         check_number("retrieval_prior_share", self.retrieval_prior_share, 0, 1)

@@ -114,21 +114,6 @@ def test_earlier_runs_settings_match_a_press_that_keeps_no_layer_whole():
     assert press_change(before, {**before, "full_layers": [7]}, []) == "full_layers: [] there, [7] now"
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--full-ratio", "1.0"], "--full-ratio: must be in (0, 1), got 1.0"),
-        (["--full-share", "0"], "--full-share: must be in (0, 1], got 0.0"),
-        (["--full-most", "0"], "--full-most: must be an integer >= 1, got 0"),
-        (["--full-lengths", "1024", "32"], "--full-lengths: must be an integer >= 64, got 32"),
-    ],
-)
-def test_bad_full_scan_flags_exit_2_naming_the_flag(flags, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cal.main(flags)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_calibrate_with_a_full_layer_scan_files_its_gains(tmp_path, capsys, embedded_dir):
     """The whole command on the embedded model, one context per scan: the full-layer scan's gains are filed per
