@@ -887,3 +887,31 @@ def test_the_batch_capacity_is_each_layers_widest_session_an_estimate_standing_f
         assert batch_bytes(2, (120,), 300, 10) == 2 * (120 * 300 + 10) and batch_bytes(3, (), 300, 10) == 0
     finally:
         scheduler.stop()
+
+
+def test_a_stored_context_reserves_its_own_rows_in_each_layer():
+    """A stored context kept wider in some layers (a retrieval layer, a layer kept whole) reserves each layer's own
+    rows plus the question and the answer's tokens, not its widest layer's rows in every layer (which made a context
+    with a whole layer look several times its size and evicted it from the store); a context not yet prefilled is
+    one estimate for every layer."""
+    from types import SimpleNamespace
+
+    from kvcompress.serve.engine import Job
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.scheduler import Scheduler
+
+    layers = [SimpleNamespace(keys=torch.empty(1, 2, rows, 4)) for rows in (30, 400, 30)]
+    entry = SimpleNamespace(cache=SimpleNamespace(layers=layers), key="stored")
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=300, batch_row_bytes=300,
+                             batch_session_bytes=10, warm_up=lambda: None, batch_capacity=lambda rows: rows,
+                             capacity_step=1, stored=lambda ids: entry if len(ids) == 400 else None)  # fmt: skip
+    scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
+    try:
+        need, new_bytes, key = scheduler._estimate(Job(list(range(400)), [1, 2, 3], max_tokens=5))
+        assert need == (30 + 3 + 4, 400 + 3 + 4, 30 + 3 + 4) and new_bytes == 0 and key == "stored"
+        engine.store = SimpleNamespace(longest_prefix=lambda *args: None)
+        engine.prefix_min_fraction, engine.model_name, engine.press_label = 0.5, "m", "p"
+        need, new_bytes, key = scheduler._estimate(Job(list(range(200)), [1, 2, 3], max_tokens=5))
+        assert need == (50 + 3 + 4,) and new_bytes == 50 * 300 and key is None
+    finally:
+        scheduler.stop()
