@@ -45,6 +45,13 @@ FULL_SHARE = 0.25  # of the uncompressed cache's answer log-prob gain one layer 
 FORMAT = 1
 
 
+class CalibrationError(ValueError):
+    """A calibration file that is not one; ``from_calibration`` as :class:`kvcompress.press_guards.LayerChoiceError`'s
+    (what ``kvcompress serve`` reads to blame ``--model``, not a flag)."""
+
+    from_calibration = True
+
+
 @dataclass(frozen=True)
 class Calibration:
     """A model's retrieval layers and the scan that found them.
@@ -76,19 +83,18 @@ class Calibration:
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
             layers, shape, drops = data["retrieval_layers"], data["shape"], data["drops"]
-            if not isinstance(layers, list) or not all(isinstance(x, int) and x >= 0 for x in layers):
-                raise ValueError(f"retrieval_layers must be a list of layer indices, got {layers!r}")
+            full = data.get("full_layers", [])  # absent from calibrations filed before the full-layer scan
+            for name, value in (("retrieval_layers", layers), ("full_layers", full)):
+                if not isinstance(value, list) or not all(isinstance(x, int) and x >= 0 for x in value):
+                    raise ValueError(f"{name} must be a list of layer indices, got {value!r}")
             if not isinstance(shape, dict) or not all(isinstance(v, int) for v in shape.values()):
                 raise ValueError(f"shape must map names to integers, got {shape!r}")
             if not isinstance(drops, list) or not all(d is None or isinstance(d, (int, float)) for d in drops):
                 raise ValueError(f"drops must be a list of numbers (null for a sliding-window layer), got {drops!r}")
-            full = data.get("full_layers", [])
-            if not isinstance(full, list) or not all(isinstance(x, int) and x >= 0 for x in full):
-                raise ValueError(f"full_layers must be a list of layer indices, got {full!r}")
             return cls(str(data["model"]), dict(shape), tuple(layers), tuple(drops), dict(data["settings"]),
                        tuple(full), dict(data.get("full_gains", {})), dict(data.get("full_settings", {})))  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"calibration: {source} is not a kvcompress calibration ({err})") from None
+            raise CalibrationError(f"calibration: {source} is not a kvcompress calibration ({err})") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
@@ -151,6 +157,14 @@ def choose(drops: tuple[float | None, ...], threshold: float = THRESHOLD) -> tup
     return tuple(chosen) if len(chosen) < len(full) else ()
 
 
+def _with_layer(cache, index: int, layer):
+    """A shallow copy of ``cache`` with layer ``index`` replaced by ``layer``; ``cache`` unchanged."""
+    swapped = copy.copy(cache)
+    swapped.layers = list(cache.layers)
+    swapped.layers[index] = layer
+    return swapped
+
+
 def _answer_logprob(model, cache, context_len: int, question: torch.Tensor, answer: torch.Tensor) -> float:
     """Log-prob of ``answer [1, a]`` teacher-forced after ``question [1, q]`` on a copy of ``cache``."""
     ids = torch.cat([question, answer], dim=1).to(model.device)
@@ -193,9 +207,7 @@ def layer_drops(model, tokenizer, kept: float = 0.25, length: int = 1024, contex
             base = _answer_logprob(model, with_priors, ids.shape[1], question, answer)
             for layer, window in enumerate(windows):
                 if window is None:
-                    mixed = copy.copy(with_priors)
-                    mixed.layers = list(with_priors.layers)
-                    mixed.layers[layer] = without.layers[layer]
+                    mixed = _with_layer(with_priors, layer, without.layers[layer])
                     totals[layer] += base - _answer_logprob(model, mixed, ids.shape[1], question, answer)
             asked += 1
         if progress is not None:
@@ -240,9 +252,7 @@ def full_layer_gains(model, tokenizer, press, task: str = "qa", length: int = 20
                 base = _answer_logprob(model, compressed, n, question, answer)
                 whole += _answer_logprob(model, exact, n, question, answer) - base
                 for index, layer in kept_whole.items():
-                    swapped = copy.copy(compressed)
-                    swapped.layers = list(compressed.layers)
-                    swapped.layers[index] = layer
+                    swapped = _with_layer(compressed, index, layer)
                     totals[index] += _answer_logprob(model, swapped, n, question, answer) - base
                 asked += 1
         if progress is not None:

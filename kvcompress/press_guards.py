@@ -104,10 +104,20 @@ def refuse_non_finite_layers(flags: list[tuple[int, torch.Tensor]]) -> None:
                 )
 
 
+class LayerChoiceError(ValueError):
+    """A per-layer option naming layers the model cannot give it; ``from_calibration``: the layers at fault came from
+    the model's calibration (``"auto"``), not from the caller."""
+
+    def __init__(self, message: str, from_calibration: bool):
+        super().__init__(message)
+        self.from_calibration = from_calibration
+
+
 def check_layer_options(windows: list[int | None], options: list[tuple[str, tuple[int, ...], str]]) -> None:
-    """Per-layer options (``(name, layers, where they came from)``) against the model's layers (``windows``: None for a
-    full-attention layer): each layer a full-attention one, none named by two options, and at least one full-attention
-    layer named by none (the unnamed layers give up the rows the named ones gain)."""
+    """Per-layer options (``(name, layers, where they came from)``: ``""``, or `` (from the calibration of M)``)
+    against the model's layers (``windows``: None for a full-attention layer): each layer a full-attention one, none
+    named by two options, and at least one full-attention layer named by none (the unnamed layers give up the rows the
+    named ones gain). :class:`LayerChoiceError` otherwise."""
     full = [index for index, window in enumerate(windows) if window is None]
     contiguous = len(full) > 1 and full == list(range(full[0], full[-1] + 1))
     accepted = f"{full[0]} to {full[-1]}" if contiguous else ", ".join(map(str, full)) or "none"
@@ -115,17 +125,20 @@ def check_layer_options(windows: list[int | None], options: list[tuple[str, tupl
     for name, layers, origin in options:
         for layer in layers:
             if layer not in full:
-                raise ValueError(
+                raise LayerChoiceError(
                     f"{name}: {layer}{origin} is not a full-attention layer of this {len(windows)}-layer model; "
-                    f"accepted: {accepted}"
-                )
+                    f"accepted: {accepted}", bool(origin)
+                )  # fmt: skip
             if layer in seen:
-                raise ValueError(f"{name}: {layer}{origin} is also in {seen[layer]}: name each layer in one of them")
+                raise LayerChoiceError(
+                    f"{name}: {layer}{origin} is also in {seen[layer]}: name each layer in one of them", bool(origin)
+                )
             seen[layer] = name + origin
     named = [(name, layers, origin) for name, layers, origin in options if layers]
     if named and len(seen) == len(full):
-        what = " with ".join(f"{name} {layers!r}{origin}" for name, layers, origin in named)
-        raise ValueError(
-            f"{what.replace(' ', ': ', 1)} names every full-attention layer, so none is left to give up rows: name "
-            "fewer (or change compression_ratio instead)"
-        )
+        (name, layers, origin), others = named[0], named[1:]
+        also = "".join(f" with {other} {other_layers!r}{other_origin}" for other, other_layers, other_origin in others)
+        raise LayerChoiceError(
+            f"{name}: {layers!r}{origin}{also} names every full-attention layer, so none is left to give up rows: name "
+            "fewer (or change compression_ratio instead)", bool(origin)
+        )  # fmt: skip

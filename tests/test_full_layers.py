@@ -94,9 +94,22 @@ def test_bad_full_layers_are_refused_by_name(value, message):
 )  # fmt: skip
 def test_layer_choices_the_model_cannot_take_are_refused_before_the_prefill(family, options, message):
     model = tiny_model(family, **({"num_hidden_layers": 2} if family == "llama" else {}))
-    with pytest.raises(ValueError, match=message), press(**options)(model):
+    with pytest.raises(ValueError, match=message) as refused, press(**options)(model):
         pass
     assert not any(module._forward_hooks for module in model.modules())
+    assert refused.value.from_calibration is False  # named by the caller: `kvcompress serve` blames the flag
+
+
+def test_a_refusal_says_whether_the_calibration_named_the_layer():
+    from kvcompress.press_guards import LayerChoiceError, check_layer_options
+
+    origin = " (from the calibration of m)"
+    for options, blamed in [([("retrieval_layers", (5,), origin)], True), ([("full_layers", (5,), "")], False),
+                            ([("retrieval_layers", (0,), origin), ("full_layers", (0,), "")], False),
+                            ([("retrieval_layers", (0,), origin), ("full_layers", (1,), "")], True)]:  # fmt: skip
+        with pytest.raises(LayerChoiceError) as refused:
+            check_layer_options([None, None], options)
+        assert refused.value.from_calibration is blamed, options
 
 
 def test_generate_on_a_static_cache_equals_the_dynamic_one():

@@ -135,6 +135,19 @@ def test_cli_rejects_a_calibration_naming_a_layer_the_model_does_not_have(capsys
                    "smollm2-135m-instruct) is not a full-attention layer of this 30-layer model; accepted: 0 to 29")
 
 
+@pytest.mark.slow
+def test_cli_rejects_a_calibration_file_that_is_not_one_naming_the_model(capsys, tmp_path, monkeypatch):
+    """A broken calibration file where the default press looks for the model's: the model is at fault, not a flag."""
+    from kvcompress.serve.cli import main
+
+    (tmp_path / "smollm2-135m-instruct.json").write_text("not json")
+    monkeypatch.setenv("KVCOMPRESS_CALIBRATIONS", str(tmp_path))
+    assert main(["--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"kvcompress serve: error: --model: calibration: {tmp_path / 'smollm2-135m-instruct.json'} "
+                          "is not a kvcompress calibration")
+
+
 def test_decode_per_prefill_flag_documents_the_schedulers_default_and_range(capsys):
     from kvcompress.serve.cli import build_parser
     from kvcompress.serve.scheduler import DECODE_PER_PREFILL, MAX_DECODE_PER_PREFILL

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,9 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             press.check_model(model, layer_windows(model))
-        except ValueError as err:  # a calibration's layers name the file's model instead (the message says which)
-            # a layer named by the model's calibration (the message says so right after it), else by a flag
-            where = "--model" if re.match(r"^\w+: \S+ \(from the calibration of", str(err)) else "--press-option"
+        except ValueError as err:  # the model's calibration at fault (a bad file, its layers): --model, not a flag
+            where = "--model" if getattr(err, "from_calibration", False) else "--press-option"
             print(f"kvcompress serve: error: {where}: {err}", file=sys.stderr)
             return 2
         for name in ("retrieval_layers", "full_layers"):
