@@ -78,12 +78,13 @@ class CompressKVPress(WeightedSubsetPress):
     attention is the uncompressed one); the other full-attention layers outside ``retrieval_layers`` give up an equal
     share of the rows that costs, so the cache's total rows stay the same up to rounding (at least one middle row left
     in each). For a layer the answers need whole (DuoAttention, Xiao et al., arXiv 2410.10819, keeps whole caches for
-    its retrieval heads for the same reason). ``"auto"`` (the default; the presets name none): the layers of the
-    model's calibration (``kvcompress calibrate --full-lengths``: the layer whose uncompressed rows give back most of
-    the answers a multi-fact task loses, at every length scanned; on the embedded model, layer 7), none for a model
-    without one. Measured on the embedded model (25% kept): continuation KL 0.90x the previous default's [0.85, 0.95]
-    on 48 contexts; RULER-style level at 1024 tokens, above at 2048 (``docs/BENCHMARKS.md``, "Layer 7 kept whole by
-    default").
+    its retrieval heads for the same reason). ``"auto"`` (the default, and ``balanced()``'s; the other presets name
+    none): the layers of the model's calibration (``kvcompress calibrate --full-lengths``: the layer whose
+    uncompressed rows give back most of the answers a multi-fact task loses, at every length scanned; on the embedded
+    model, layer 7), none for a model without one. Measured on the embedded model (25% kept): continuation KL 0.90x
+    the previous default's [0.85, 0.95] on 48 contexts; RULER-style level at 1024 tokens, above at 2048
+    (``docs/BENCHMARKS.md``, "Layer 7 kept whole by default"); ``balanced()``'s: +4.1 at 25% kept and 1024 tokens
+    (``docs/BENCHMARKS.md``, "``balanced()`` keeps layer 7 whole too").
     """
 
     sink_size: int = 4
@@ -209,12 +210,13 @@ class CompressKVPress(WeightedSubsetPress):
         :mod:`kvcompress.offload`), elsewhere every layer holds its full cache until its turn.
         ``repeat_fraction=0.125, repeat_span=8`` (the most novel eighth, in pieces of 8 tokens) halves the second
         reading; on the embedded model it answers about 3 points under the quarter, level with KVzip's scoring.
-        As the default, it widens the model's retrieval layers (``retrieval_layers="auto"``; on the embedded model,
-        25% kept: continuation KL 0.79x the uniform ``balanced()``'s on 36 contexts, RULER-style +2.1 at 25% kept,
-        level at 50%)."""
+        As the default, it widens the model's retrieval layers and keeps its full layers whole
+        (``retrieval_layers="auto"``, ``full_layers="auto"``; on the embedded model, 25% kept and 1024 tokens: the
+        retrieval layer +2.1 RULER-style and KL 0.79x the uniform ``balanced()``'s, then layer 7 whole +4.1 more,
+        level with the full cache, and KL 0.91x; level at 50% kept)."""
         settings = dict(
             reference=("window", "novelty", "induction", "repeat"), repeat_fraction=0.25, repeat_span=32,
-            repeat_pieces="novel", fit_queries=64, full_layers=(),
+            repeat_pieces="novel", fit_queries=64,
         )  # fmt: skip
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 

@@ -42,6 +42,20 @@ def test_a_full_layer_keeps_the_prefills_rows_and_the_others_pay_for_them(option
     assert torch.equal(full.row_weights, torch.ones_like(full.row_weights))
 
 
+def test_balanced_keeps_a_full_layer_whole_through_its_repeat_pass():
+    """balanced() compresses every layer after its repeat pass: the whole layer 2 still holds the stock prefill's
+    rows exactly (the pass's queries change nothing there), the others 21 rows a head as above."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    context = tokens(CONTEXT, 11)
+    exact = full_context(model, context)
+    balanced = CompressKVPress.balanced(compression_ratio=0.75, seed=5, window_size=16, full_layers=(2,))
+    cache = compressed_cache(model, balanced, context)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [21, 21, 320, 21]
+    full = cache.layers[2]
+    assert torch.equal(full.keys, exact[2][0]) and torch.equal(full.values, exact[2][1])
+    assert torch.equal(full.row_weights, torch.ones_like(full.row_weights))
+
+
 def test_the_other_layers_pay_an_equal_share_and_the_total_stays_the_budget():
     """8 layers, 25% kept of 320 tokens: layer 5 whole costs 240 rows, the 7 others give up round(240 / 7) = 34 each
     (60 - 34 = 26 middle rows): 320 + 7 x 46 = 642 rows against the uniform 640 (rounding)."""

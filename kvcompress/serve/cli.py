@@ -35,12 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "stored and asked many questions, "
                         "compresskv_balanced re-reads the most novel quarter of each (about 2x the prefill on CPU, "
                         "1.95x on an H200 at 32k tokens) "
-                        "and answers more than the default (above KVzip's scoring on the embedded model; "
+                        "and answers more than the default (at 25%% kept as many as the full cache on the "
+                        "embedded model, above KVzip's scoring; "
                         "--press-option repeat_fraction=0.125 --press-option repeat_span=8 halves that second "
-                        "reading, 1.7x on CPU, for KVzip's answers); "
-                        "compresskv_thorough re-reads all of it (4.3x on CPU and on an H200), answers as many "
-                        "later questions as compresskv_balanced and keeps the most of the continuation: choose it "
-                        "when answers matter more than the prefill)")
+                        "reading, 1.7x on CPU); "
+                        "compresskv_thorough re-reads all of it (4.3x on CPU and on an H200) and keeps the most "
+                        "of the continuation: choose it when the text written right after the context matters "
+                        "more than the prefill)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
                    help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")
