@@ -213,7 +213,7 @@ class CompressKVPress(WeightedSubsetPress):
         As the default, it widens the model's retrieval layers and keeps its full layers whole
         (``retrieval_layers="auto"``, ``full_layers="auto"``; on the embedded model, 25% kept and 1024 tokens: the
         retrieval layer +2.1 RULER-style and KL 0.79x the uniform ``balanced()``'s, then layer 7 whole +3.0 more,
-        level with the full cache, and KL 0.91x; level at 50% kept)."""
+        about the full cache's score, and KL 0.91x; level at 50% kept)."""
         settings = dict(
             reference=("window", "novelty", "induction", "repeat"), repeat_fraction=0.25, repeat_span=32,
             repeat_pieces="novel", fit_queries=64,

@@ -17,17 +17,21 @@ from tests.tiny_models import tiny_model
 CONTEXT = 320
 
 
-def press(**options) -> CompressKVPress:
-    return CompressKVPress(compression_ratio=0.75, seed=5, window_size=16, **options)
+def press(preset: str | None = None, **options) -> CompressKVPress:
+    """The default press, or ``CompressKVPress.<preset>()``, at 25% kept with a 16-token window."""
+    make = getattr(CompressKVPress, preset) if preset else CompressKVPress
+    return make(compression_ratio=0.75, seed=5, window_size=16, **options)
 
 
 @pytest.mark.parametrize("options", [{}, {"retrieval_layers": (3,)}, {"fit": "weights"}, {"selection": "rpnys",
-                                                                                          "fit": "none"}])
+                                                                                          "fit": "none"},
+                                     {"preset": "balanced"}])  # fmt: skip
 def test_a_full_layer_keeps_the_prefills_rows_and_the_others_pay_for_them(options):
     """4 layers, a 320-token context at 25% kept: 80 rows a head (4 sink + 16 window + 60 middle). Layer 1 kept whole
     holds all 320 rows, exactly the stock prefill's keys and values with weight 1 (the fit, which moves the values of
-    a widened layer, does not run there); the 240 extra rows are paid by the other layers (80 each, up to one middle
-    row left). With layer 3 a retrieval layer (its middle 120), the two remaining layers pay both."""
+    a widened layer, does not run there; balanced() compresses every layer after its repeat pass, whose queries
+    change nothing there); the 240 extra rows are paid by the other layers (80 each, up to one middle row left). With
+    layer 3 a retrieval layer (its middle 120), the two remaining layers pay both."""
     model = tiny_model("llama", num_hidden_layers=4)
     context = tokens(CONTEXT, 7)
     exact = full_context(model, context)
@@ -39,20 +43,6 @@ def test_a_full_layer_keeps_the_prefills_rows_and_the_others_pay_for_them(option
         assert rows == [21, 320, 21, 21]
     full = cache.layers[1]
     assert torch.equal(full.keys, exact[1][0]) and torch.equal(full.values, exact[1][1])
-    assert torch.equal(full.row_weights, torch.ones_like(full.row_weights))
-
-
-def test_balanced_keeps_a_full_layer_whole_through_its_repeat_pass():
-    """balanced() compresses every layer after its repeat pass: the whole layer 2 still holds the stock prefill's
-    rows exactly (the pass's queries change nothing there), the others 21 rows a head as above."""
-    model = tiny_model("llama", num_hidden_layers=4)
-    context = tokens(CONTEXT, 11)
-    exact = full_context(model, context)
-    balanced = CompressKVPress.balanced(compression_ratio=0.75, seed=5, window_size=16, full_layers=(2,))
-    cache = compressed_cache(model, balanced, context)
-    assert [layer.keys.shape[-2] for layer in cache.layers] == [21, 21, 320, 21]
-    full = cache.layers[2]
-    assert torch.equal(full.keys, exact[2][0]) and torch.equal(full.values, exact[2][1])
     assert torch.equal(full.row_weights, torch.ones_like(full.row_weights))
 
 

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "stored and asked many questions, "
                         "compresskv_balanced re-reads the most novel quarter of each (about 2x the prefill on CPU, "
                         "1.95x on an H200 at 32k tokens) "
-                        "and answers more than the default (at 25%% kept as many as the full cache on the "
+                        "and answers more than the default (at 25%% kept about as many as the full cache on the "
                         "embedded model, above KVzip's scoring; "
                         "--press-option repeat_fraction=0.125 --press-option repeat_span=8 halves that second "
                         "reading, 1.7x on CPU); "
