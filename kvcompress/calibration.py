@@ -87,6 +87,10 @@ class Calibration:
             for name, value in (("retrieval_layers", layers), ("full_layers", full)):
                 if not isinstance(value, list) or not all(isinstance(x, int) and x >= 0 for x in value):
                     raise ValueError(f"{name} must be a list of layer indices, got {value!r}")
+                if len(set(value)) != len(value):
+                    raise ValueError(f"{name} must name distinct layers, got {value!r}")
+            if both := sorted(set(layers) & set(full)):
+                raise ValueError(f"layers {both} are in both retrieval_layers and full_layers")
             if not isinstance(shape, dict) or not all(isinstance(v, int) for v in shape.values()):
                 raise ValueError(f"shape must map names to integers, got {shape!r}")
             if not isinstance(drops, list) or not all(d is None or isinstance(d, (int, float)) for d in drops):

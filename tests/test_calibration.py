@@ -128,7 +128,9 @@ def test_a_calibration_file_round_trips_and_a_bad_one_is_refused_naming_the_file
     assert cal.Calibration.load(path) == found
     good = json.loads(found.to_json())
     for text in ("not json", json.dumps({"format": 7}), json.dumps({**good, "retrieval_layers": [-1]}),
-                 json.dumps({**good, "shape": {"layers": "3"}}), json.dumps({**good, "drops": ["x"]})):  # fmt: skip
+                 json.dumps({**good, "shape": {"layers": "3"}}), json.dumps({**good, "drops": ["x"]}),
+                 json.dumps({**good, "retrieval_layers": [2, 2]}),  # a layer twice, or in both lists
+                 json.dumps({**good, "full_layers": [1]})):  # fmt: skip
         (tmp_path / "bad.json").write_text(text)
         with pytest.raises(ValueError, match=r"^calibration: .*bad\.json is not a kvcompress calibration"):
             cal.Calibration.load(tmp_path / "bad.json")
