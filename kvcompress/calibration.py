@@ -18,11 +18,13 @@ one short forward per layer, instead of one RULER run per layer. :func:`choose` 
 The second scan (:func:`full_layer_gains`, optional: ``kvcompress calibrate --full-lengths``) finds the layers the
 answers need whole (``CompressKVPress(full_layers="auto")``): per RULER-style context of a multi-fact task (``qa`` by
 default), one prefill under the calibrated press and one uncompressed; each layer's score is the log-prob the expected
-answers gain when the press's cache takes that one layer from the uncompressed one (the same exact swap). A layer that
-recovers at least ``full_share`` of the whole uncompressed cache's gain at every scanned length is kept whole
-(:func:`choose_full`): on the embedded model the multi-key and qa answers lost at 50% kept are mostly layer 7's
-(``docs/BENCHMARKS.md``, "What the full layer 7 brings back"), and the layer that leads depends on the length, so a
-layer is named only where it holds its share at each one.
+answers gain when the press's cache takes that one layer from the uncompressed one (the same exact swap). At each
+scanned length, the fewest layers that together recover ``full_cover`` of the whole uncompressed cache's gain are kept
+whole, each recovering at least ``full_share`` of it, at most ``full_most`` (:func:`choose_full`), and a context is
+compressed with the choice of the scanned length nearest its own (:func:`layers_at`): the layer that leads depends on
+the length. On the embedded model the qa and multi-key answers lost at 2048 tokens are mostly layer 7's, at 1024
+tokens layers 23's and 7's (``docs/BENCHMARKS.md``, "What the full layer 7 brings back" and "The layers kept whole
+by context length").
 
 A calibration is a JSON file (:class:`Calibration`); ``kvcompress calibrate`` writes one into
 :func:`user_directory`, and the press's ``"auto"`` looks a model up there, then among the calibrations shipped in
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -41,7 +44,9 @@ import torch
 
 SHIPPED = Path(__file__).parent / "calibrations"
 THRESHOLD = 2.0  # nats of the needle's log-prob lost with the priors off in one layer: a retrieval layer
-FULL_SHARE = 0.25  # of the uncompressed cache's answer log-prob gain one layer recovers at every length: kept whole
+FULL_SHARE = 0.25  # of the uncompressed cache's answer log-prob gain one layer recovers at a length: kept whole
+FULL_COVER = 0.75  # ... until the layers kept whole there recover this share of it together
+FULL_MOST = 2  # ... and at most this many
 FORMAT = 1
 
 
@@ -59,22 +64,28 @@ class Calibration:
     ``model``: the name it is looked up by (the last part of ``config.name_or_path``); ``shape``: its layer count,
     hidden size and attention heads (a model of the same name with another shape does not match); ``drops``: per
     layer, the mean needle log-prob (nats) lost with the priors off there (None for a sliding-window layer);
-    ``settings``: how the scan ran (task, length, contexts, fraction kept, seed, threshold). ``full_layers``: the
-    layers kept whole (empty if the second scan did not run or named none); ``full_gains``: per scanned length, the
-    uncompressed cache's answer log-prob gain (``"whole"``) and each layer's (``"layers"``, None for a sliding-window
-    layer); ``full_settings``: how that scan ran."""
+    ``settings``: how the scan ran (task, length, contexts, fraction kept, seed, threshold). ``full_layers``: per
+    scanned context length, the layers kept whole for contexts nearest that length (``{0: layers}``: the same at
+    every length, what a JSON list holds; ``{}`` if the second scan did not run); ``full_gains``: per scanned length,
+    the uncompressed cache's answer log-prob gain (``"whole"``) and each layer's (``"layers"``, None for a
+    sliding-window layer); ``full_settings``: how that scan ran."""
 
     model: str
     shape: dict
     retrieval_layers: tuple[int, ...]
     drops: tuple[float | None, ...]
     settings: dict
-    full_layers: tuple[int, ...] = ()
+    full_layers: dict[int, tuple[int, ...]] = field(default_factory=dict)
     full_gains: dict = field(default_factory=dict)
     full_settings: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.full_layers, (tuple, list)):  # the same layers at every length
+            object.__setattr__(self, "full_layers", {0: tuple(self.full_layers)} if self.full_layers else {})
+
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1) + "\n"
+        return json.dumps({"format": FORMAT, **asdict(self), "full_layers": full_layers_json(self.full_layers)},
+                          indent=1) + "\n"  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str, source: str = "calibration") -> Calibration:
@@ -84,19 +95,27 @@ class Calibration:
                 raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
             layers, shape, drops = data["retrieval_layers"], data["shape"], data["drops"]
             full = data.get("full_layers", [])  # absent from calibrations filed before the full-layer scan
-            for name, value in (("retrieval_layers", layers), ("full_layers", full)):
+            if isinstance(full, dict):  # per scanned length (since the layers kept whole depend on it)
+                if not all(isinstance(k, str) and k.isdigit() and int(k) > 0 for k in full):
+                    raise ValueError(f"full_layers must map context lengths to layer lists, got {full!r}")
+                by_length = {int(tokens): value for tokens, value in full.items()}
+            else:  # a list: the same layers at every length
+                by_length = {0: full} if full != [] else {}
+            lists = [("retrieval_layers", layers)] + [("full_layers", value) for value in by_length.values()]
+            for name, value in lists:
                 if not isinstance(value, list) or not all(isinstance(x, int) and x >= 0 for x in value):
                     raise ValueError(f"{name} must be a list of layer indices, got {value!r}")
                 if len(set(value)) != len(value):
                     raise ValueError(f"{name} must name distinct layers, got {value!r}")
-            if both := sorted(set(layers) & set(full)):
-                raise ValueError(f"layers {both} are in both retrieval_layers and full_layers")
+                if name == "full_layers" and (both := sorted(set(layers) & set(value))):
+                    raise ValueError(f"layers {both} are in both retrieval_layers and full_layers")
             if not isinstance(shape, dict) or not all(isinstance(v, int) for v in shape.values()):
                 raise ValueError(f"shape must map names to integers, got {shape!r}")
             if not isinstance(drops, list) or not all(d is None or isinstance(d, (int, float)) for d in drops):
                 raise ValueError(f"drops must be a list of numbers (null for a sliding-window layer), got {drops!r}")
+            full = {tokens: tuple(value) for tokens, value in by_length.items()}
             return cls(str(data["model"]), dict(shape), tuple(layers), tuple(drops), dict(data["settings"]),
-                       tuple(full), dict(data.get("full_gains", {})), dict(data.get("full_settings", {})))  # fmt: skip
+                       full, dict(data.get("full_gains", {})), dict(data.get("full_settings", {})))  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CalibrationError(f"calibration: {source} is not a kvcompress calibration ({err})") from None
 
@@ -265,24 +284,53 @@ def full_layer_gains(model, tokenizer, press, task: str = "qa", length: int = 20
     return {"whole": round(whole / asked, 4), "layers": layers}
 
 
-def choose_full(gains: dict, share: float = FULL_SHARE, most: int = 1) -> tuple[int, ...]:
-    """From :func:`full_layer_gains` per length (``{length: {"whole": .., "layers": [..]}}``), the layers that recover
-    at least ``share`` of the uncompressed cache's gain at every length (none where that gain is not positive), at
-    most ``most`` of them, the largest smallest share first."""
-    if not gains or any(g["whole"] <= 0 for g in gains.values()):
-        return ()
-    count = len(next(iter(gains.values()))["layers"])
-    smallest = {
-        layer: min(g["layers"][layer] / g["whole"] for g in gains.values())
-        for layer in range(count)
-        if all(g["layers"][layer] is not None for g in gains.values())
-    }
-    return tuple(sorted((x for x in smallest if smallest[x] >= share), key=lambda x: -smallest[x])[:most])
+def choose_full(
+    gains: dict, share: float = FULL_SHARE, most: int = FULL_MOST, cover: float = FULL_COVER
+) -> dict[int, tuple[int, ...]]:
+    """From :func:`full_layer_gains` per length (``{length: {"whole": .., "layers": [..]}}``), per length the layers
+    kept whole there: the largest shares of the uncompressed cache's gain first, each at least ``share``, until they
+    add up to ``cover`` or ``most`` are taken (none where that gain is not positive)."""
+    chosen = {}
+    for tokens, g in gains.items():
+        gained = enumerate(g["layers"]) if g["whole"] > 0 else ()
+        shares = {x: gain / g["whole"] for x, gain in gained if gain is not None}
+        taken: list[int] = []
+        for layer in sorted((x for x in shares if shares[x] >= share), key=lambda x: -shares[x])[:most]:
+            if sum(shares[x] for x in taken) >= cover:
+                break
+            taken.append(layer)
+        chosen[int(tokens)] = tuple(taken)
+    return chosen
+
+
+def layers_at(by_length: dict[int, tuple[int, ...]], tokens: int) -> tuple[int, ...]:
+    """The layers of ``by_length`` (:attr:`Calibration.full_layers`) for an n-token context: those of the scanned
+    length nearest ``tokens`` on a log scale (a tie: the longer), of key 0 (every length) alone, none for ``{}``."""
+    if len(by_length) <= 1:
+        return next(iter(by_length.values()), ())
+    return by_length[min(by_length, key=lambda length: (abs(math.log(tokens / length)), -length))]
+
+
+def full_layers_json(by_length: dict[int, tuple[int, ...]]) -> list[int] | dict[str, list[int]]:
+    """``by_length`` as a calibration file holds it: a list where the same layers hold at every length (key 0, or
+    none), else ``{"1024": [..], ..}``."""
+    if set(by_length) <= {0}:
+        return list(by_length.get(0, ()))
+    return {str(tokens): list(layers) for tokens, layers in by_length.items()}
+
+
+def describe_full(by_length: dict[int, tuple[int, ...]]) -> str:
+    """``[7]`` (every length), ``[23, 7] near 1024 tokens, [7] near 2048`` (per length) or ``none``."""
+    if set(by_length) <= {0}:
+        return str(list(by_length.get(0, ()))) if by_length.get(0) else "none"
+    parts = [f"{list(layers)} near {tokens}" for tokens, layers in sorted(by_length.items())]
+    return parts[0] + " tokens" + "".join(", " + part for part in parts[1:])
 
 
 def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts: int = 8, seed: int = 0,
               threshold: float = THRESHOLD, progress=None, full_lengths: tuple[int, ...] = (), full_task: str = "qa",
-              full_kept: float = 0.5, full_share: float = FULL_SHARE, full_most: int = 1) -> Calibration:  # fmt: skip
+              full_kept: float = 0.5, full_share: float = FULL_SHARE, full_most: int = FULL_MOST,
+              full_cover: float = FULL_COVER) -> Calibration:  # fmt: skip
     """Scan ``model`` (:func:`layer_drops`) and :func:`choose` its retrieval layers; with ``full_lengths``, then scan
     the press with those layers at each length (:func:`full_layer_gains`, ``full_kept`` kept) and
     :func:`choose_full` the layers kept whole."""
@@ -299,8 +347,8 @@ def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts
         for tokens in full_lengths:
             gains[str(tokens)] = full_layer_gains(model, tokenizer, press, full_task, tokens, contexts, seed, progress)
         full_settings = {"task": full_task, "lengths": list(full_lengths), "contexts": contexts, "kept": full_kept,
-                         "seed": seed, "share": full_share, "most": full_most}  # fmt: skip
-    full = choose_full(gains, full_share, full_most)
+                         "seed": seed, "share": full_share, "most": full_most, "cover": full_cover}  # fmt: skip
+    full = choose_full(gains, full_share, full_most, full_cover)
     return Calibration(name, shape, retrieval, drops, settings, full, gains, full_settings)
 
 
@@ -333,8 +381,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--full-ratio", type=float, default=0.5, help="KEPT fraction of that scan (default 0.5)")
     p.add_argument("--full-share", type=float, default=FULL_SHARE,
                    help="a layer kept whole recovers at least this share of the uncompressed cache's answer log-prob "
-                        f"gain at every length (default {FULL_SHARE})")  # fmt: skip
-    p.add_argument("--full-most", type=int, default=1, help="at most this many layers kept whole (default 1)")
+                        f"gain at its length (default {FULL_SHARE})")  # fmt: skip
+    p.add_argument("--full-cover", type=float, default=FULL_COVER,
+                   help="at each length, layers are kept whole until together they recover this share of that gain "
+                        f"(default {FULL_COVER})")  # fmt: skip
+    p.add_argument("--full-most", type=int, default=FULL_MOST,
+                   help=f"at most this many layers kept whole at a length (default {FULL_MOST})")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="default auto: cuda if torch sees a GPU")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -345,8 +397,9 @@ def main(argv: list[str]) -> int:
         p.error(f"--ratio: must be in (0, 1), got {args.ratio}")
     if not 0 < args.full_ratio < 1:
         p.error(f"--full-ratio: must be in (0, 1), got {args.full_ratio}")
-    if not 0 < args.full_share <= 1:
-        p.error(f"--full-share: must be in (0, 1], got {args.full_share}")
+    for name, value in (("--full-share", args.full_share), ("--full-cover", args.full_cover)):
+        if not 0 < value <= 1:
+            p.error(f"{name}: must be in (0, 1], got {value}")
     if not args.threshold > 0:
         p.error(f"--threshold: must be > 0, got {args.threshold}")
     checked = [("--length", args.length, 64), ("--contexts", args.contexts, 1), ("--full-most", args.full_most, 1)]
@@ -370,7 +423,7 @@ def main(argv: list[str]) -> int:
         found = calibrate(model, tokenizer, args.ratio, args.length, args.contexts, args.seed, args.threshold,
                           progress=lambda i, n: print(f"context {i}/{n}", file=sys.stderr, flush=True),
                           full_lengths=tuple(args.full_lengths), full_task=args.full_task, full_kept=args.full_ratio,
-                          full_share=args.full_share, full_most=args.full_most)  # fmt: skip
+                          full_share=args.full_share, full_most=args.full_most, full_cover=args.full_cover)  # fmt: skip
     except ValueError as err:  # a length too short for the task
         print(f"kvcompress calibrate: error: {err}", file=sys.stderr)
         return 2
@@ -382,9 +435,9 @@ def main(argv: list[str]) -> int:
         print(f"\n{tokens} tokens, {found.full_settings['task']}: the uncompressed cache gains {gains['whole']:+.3f} "
               "nats per answer; each layer kept whole:")  # fmt: skip
         for layer, gain in enumerate(gains["layers"]):
-            mark = "  <- kept whole" if layer in found.full_layers else ""
+            mark = "  <- kept whole" if layer in found.full_layers.get(int(tokens), ()) else ""
             print(f"{layer:5d}  {'sliding window' if gain is None else f'{gain:+.3f}'}{mark}")
     path = found.save(args.output or user_directory() / file_name(found.model))
-    kept_whole = f", layers kept whole {list(found.full_layers)}" if found.full_settings else ""
+    kept_whole = f", layers kept whole {describe_full(found.full_layers)}" if found.full_settings else ""
     print(f"retrieval layers {list(found.retrieval_layers)}{kept_whole} filed in {path}")
     return 0

@@ -131,7 +131,7 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
 
 
 def load_model(
-    name: str | None = None,
+    name: str | os.PathLike | None = None,
     *,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
@@ -140,7 +140,7 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` in eval mode; ``name`` is a local dir, a Hub id or None (embedded)."""
     hf_logging.disable_progress_bar()
-    path = resolve_model_name(name)
+    path = resolve_model_name(None if name is None else os.fspath(name))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map

@@ -13,6 +13,7 @@ import torch
 
 from kvcompress import rng
 from kvcompress._checks import check_choice, check_int_range, check_layer_list, check_number
+from kvcompress.calibration import layers_at
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
 from kvcompress.press_guards import check_layer_options
 from kvcompress.reference import (
@@ -79,12 +80,14 @@ class CompressKVPress(WeightedSubsetPress):
     share of the rows that costs, so the cache's total rows stay the same up to rounding (at least one middle row left
     in each). For a layer the answers need whole (DuoAttention, Xiao et al., arXiv 2410.10819, keeps whole caches for
     its retrieval heads for the same reason). ``"auto"`` (the default, and ``balanced()``'s; the other presets name
-    none): the layers of the model's calibration (``kvcompress calibrate --full-lengths``: the layer whose
-    uncompressed rows give back most of the answers a multi-fact task loses, at every length scanned; on the embedded
-    model, layer 7), none for a model without one. Measured on the embedded model (25% kept): continuation KL 0.90x
-    the previous default's [0.85, 0.95] on 48 contexts; RULER-style level at 1024 tokens, above at 2048
-    (``docs/BENCHMARKS.md``, "Layer 7 kept whole by default"); ``balanced()``'s: +3.0 at 25% kept and 1024 tokens
-    (``docs/BENCHMARKS.md``, "``balanced()`` keeps layer 7 whole too").
+    none): the layers of the model's calibration for the context's length (``kvcompress calibrate --full-lengths``:
+    the fewest layers whose uncompressed rows give back most of the answers a multi-fact task loses, per scanned
+    length; a context takes the nearest length's: on the embedded model layers 23 and 7 up to 1448 tokens, layer 7
+    beyond), none for a model without one (:meth:`full_layers_at`). Measured on the embedded model (25% kept): layer
+    7 whole, continuation KL 0.90x the default's without it [0.85, 0.95] on 48 contexts, RULER-style +3.8 at 2048
+    tokens (``docs/BENCHMARKS.md``, "Layer 7 kept whole by default"); layer 23 too at 1024 tokens, +3.7 [+0.9, +6.3]
+    over layer 7 alone on 48 per task ("The layers kept whole by context length"). ``full_layers_by_length=False``
+    (``balanced()``'s): only the layers the calibration names at every scanned length (layer 7).
     """
 
     sink_size: int = 4
@@ -113,8 +116,9 @@ class CompressKVPress(WeightedSubsetPress):
     retrieval_rows: float = 2.0
     retrieval_prior_share: float = 1.0
     full_layers: tuple[int, ...] | str = "auto"
+    full_layers_by_length: bool = True
     _retrieval: tuple = field(default=(), init=False, repr=False, compare=False)  # the layers in use
-    _full: tuple = field(default=(), init=False, repr=False, compare=False)
+    _full: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # by context length
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -147,7 +151,9 @@ class CompressKVPress(WeightedSubsetPress):
         self.retrieval_layers = check_layer_list("retrieval_layers", self.retrieval_layers)
         self._retrieval = () if self.retrieval_layers == "auto" else self.retrieval_layers
         self.full_layers = check_layer_list("full_layers", self.full_layers)
-        self._full = () if self.full_layers == "auto" else self.full_layers
+        self._full = {0: self.full_layers} if self.full_layers not in ("auto", ()) else {}
+        if not isinstance(self.full_layers_by_length, bool):
+            raise ValueError(f"full_layers_by_length: must be True or False, got {self.full_layers_by_length!r}")
         check_number("retrieval_rows", self.retrieval_rows, 1)
         check_number("retrieval_prior_share", self.retrieval_prior_share, 0, 1)
         for name, low in (
@@ -213,10 +219,12 @@ class CompressKVPress(WeightedSubsetPress):
         As the default, it widens the model's retrieval layers and keeps its full layers whole
         (``retrieval_layers="auto"``, ``full_layers="auto"``; on the embedded model, 25% kept and 1024 tokens: the
         retrieval layer +2.1 RULER-style and KL 0.79x the uniform ``balanced()``'s, then layer 7 whole +3.0 more,
-        about the full cache's score, and KL 0.91x; level at 50% kept)."""
+        about the full cache's score, and KL 0.91x; level at 50% kept), but only those the calibration names at
+        every scanned length (``full_layers_by_length=False``: layer 7; its second reading finds what a second
+        whole layer would give back, and layers 7 and 23 whole answered 1.4 [-3.4, +0.6] fewer at 1024 tokens)."""
         settings = dict(
             reference=("window", "novelty", "induction", "repeat"), repeat_fraction=0.25, repeat_span=32,
-            repeat_pieces="novel", fit_queries=64,
+            repeat_pieces="novel", fit_queries=64, full_layers_by_length=False,
         )  # fmt: skip
         return cls(compression_ratio=compression_ratio, seed=seed, **{**settings, **overrides})
 
@@ -264,11 +272,15 @@ class CompressKVPress(WeightedSubsetPress):
             if self.retrieval_layers == "auto":
                 self._retrieval = found.retrieval_layers if found is not None else ()
             if self.full_layers == "auto":
-                self._full = found.full_layers if found is not None else ()
-        check_layer_options(windows, [
-            ("retrieval_layers", self._retrieval, source if self.retrieval_layers == "auto" else ""),
-            ("full_layers", self._full, source if self.full_layers == "auto" else ""),
-        ])  # fmt: skip
+                self._full = dict(found.full_layers) if found is not None else {}
+                if not self.full_layers_by_length and len(self._full) > 1:  # the layers named at every length
+                    common = set.intersection(*(set(layers) for layers in self._full.values()))
+                    self._full = {0: tuple(sorted(common))} if common else {}
+        for full in set(self._full.values()) or {()}:  # each length's layers
+            check_layer_options(windows, [
+                ("retrieval_layers", self._retrieval, source if self.retrieval_layers == "auto" else ""),
+                ("full_layers", full, source if self.full_layers == "auto" else ""),
+            ])  # fmt: skip
 
     @property
     def active_retrieval_layers(self) -> tuple[int, ...]:
@@ -277,25 +289,31 @@ class CompressKVPress(WeightedSubsetPress):
         return self._retrieval
 
     @property
-    def active_full_layers(self) -> tuple[int, ...]:
-        """The layers kept whole: ``full_layers``, or for ``"auto"`` those of the model's calibration (known once the
-        press has met the model)."""
+    def active_full_layers(self) -> dict[int, tuple[int, ...]]:
+        """The layers kept whole by context length (:attr:`kvcompress.calibration.Calibration.full_layers`: ``{0:
+        layers}`` at every length): ``full_layers``, or for ``"auto"`` those of the model's calibration (known once
+        the press has met the model)."""
         return self._full
+
+    def full_layers_at(self, tokens: int) -> tuple[int, ...]:
+        """The layers kept whole for a ``tokens``-token context (those of the scanned length nearest it)."""
+        return layers_at(self._full, tokens)
 
     def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
         """The whole middle in ``full_layers``, ``retrieval_rows`` times the uniform middle in ``retrieval_layers``;
         each other full-attention layer gives up an equal share of the rows they gain (at least one middle row left)."""
-        if plan is None or not (self._retrieval or self._full):
+        full = self.full_layers_at(plan.tokens) if plan is not None else ()
+        if plan is None or not (self._retrieval or full):
             return plan
         span = plan.tokens - plan.sink - plan.window
         wider = min(span, round(self.retrieval_rows * plan.middle))
-        if layer_idx in self._full:
+        if layer_idx in full:
             middle = span
         elif layer_idx in self._retrieval:
             middle = wider
         else:
-            others = sum(window is None for window in self._windows) - len(self._retrieval) - len(self._full)
-            gained = (wider - plan.middle) * len(self._retrieval) + (span - plan.middle) * len(self._full)
+            others = sum(window is None for window in self._windows) - len(self._retrieval) - len(full)
+            gained = (wider - plan.middle) * len(self._retrieval) + (span - plan.middle) * len(full)
             middle = plan.middle - round(gained / others)
             if middle < 1:
                 logger.warning_once(
@@ -319,7 +337,7 @@ class CompressKVPress(WeightedSubsetPress):
         return {"novelty": novelty, "induction": min(round(self.induction_share * rows), rows - novelty)}
 
     def compress_middle(self, module, keys, values, start, end, rows, reference):
-        if module.layer_idx in self._full:  # kept whole: the rows as they are, weight 1, no fit
+        if module.layer_idx in self.full_layers_at(keys.shape[-2]):  # kept whole: its rows as they are, weight 1
             weights = torch.ones(*keys.shape[:2], end - start, dtype=torch.float32, device=keys.device)
             return keys[:, :, start:end], values[:, :, start:end], weights
         if self.selection == "rpnys":

@@ -113,19 +113,24 @@ def press_settings(press, model=None) -> dict[str, Any]:
         return repr(value)
 
     settings = {f.name: plain(getattr(press, f.name)) for f in dataclasses.fields(press) if f.init}
+    if settings.get("full_layers") != "auto":
+        settings.pop("full_layers_by_length", None)  # it only reads the calibration's choice
     auto = [name for name in ("retrieval_layers", "full_layers") if getattr(press, name, None) == "auto"]
     if auto and model is not None:
         from kvcompress.window import layer_windows
 
         press.check_model(model, layer_windows(model))
+        from kvcompress.calibration import full_layers_json
+
         for name in auto:
-            settings[f"active_{name}"] = list(getattr(press, f"active_{name}"))
+            active = getattr(press, f"active_{name}")
+            settings[f"active_{name}"] = full_layers_json(active) if name == "full_layers" else list(active)
     return settings
 
 
 # Press fields added after runs recorded their settings, with the value that computes what those runs did: a run
 # recorded without the field is the same press where the field holds that value.
-ADDED_FIELDS: dict[str, Any] = {"full_layers": []}
+ADDED_FIELDS: dict[str, Any] = {"full_layers": [], "full_layers_by_length": False}
 
 
 def press_change(before: dict[str, Any] | None, now: dict[str, Any], layers_before: list[int]) -> str:

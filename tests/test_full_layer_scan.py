@@ -1,6 +1,6 @@
 """kvcompress calibrate --full-lengths and CompressKVPress(full_layers="auto"): the swap scored is the layer kept
-whole, the choice across lengths, the calibration's new fields (old files still load), the press finding them, and
-earlier runs' settings still matching a press that keeps no layer whole."""
+whole, the choice per length and a context's use of the nearest one, the calibration's new fields (old files still
+load), the press finding them, and earlier runs' settings still matching a press that keeps no layer whole."""
 
 from __future__ import annotations
 
@@ -49,38 +49,56 @@ def test_the_full_layer_scan_gives_each_full_layer_its_own_gain(tokenizer):
     assert len({round(g, 4) for g in gains["layers"]}) == 3
 
 
-def test_the_choice_keeps_layers_holding_their_share_at_every_length():
-    """The embedded model's qa scans (docs/BENCHMARKS.md): at 2048 tokens layer 7 recovers 0.485 of 0.515 nats, layer
-    23 0.118; at 1024 tokens layer 23 0.366 and layer 7 0.335 of 0.741. Layer 7 holds at least a quarter at both
-    lengths, layer 23 not at 2048."""
+def test_the_choice_per_length_takes_the_fewest_layers_that_cover_most_of_the_gain():
+    """The embedded model's qa scans (docs/BENCHMARKS.md): at 2048 tokens layer 7 recovers 0.485 of 0.515 nats (0.94),
+    layer 8 0.150 (0.29), layer 23 0.118; at 1024 tokens layer 23 0.366 (0.49) and layer 7 0.335 (0.45) of 0.741.
+    At 2048 layer 7 alone covers three quarters; at 1024 it takes both (larger share first)."""
     layers_2k, layers_1k = [0.0] * 30, [0.0] * 30
-    layers_2k[7], layers_2k[23], layers_1k[7], layers_1k[23] = 0.485, 0.118, 0.335, 0.366
+    layers_2k[7], layers_2k[8], layers_2k[23], layers_1k[7], layers_1k[23] = 0.485, 0.150, 0.118, 0.335, 0.366
     gains = {"2048": {"whole": 0.515, "layers": layers_2k}, "1024": {"whole": 0.741, "layers": layers_1k}}
-    assert cal.choose_full(gains) == (7,)
-    assert cal.choose_full(gains, share=0.2, most=2) == (7, 23)  # 23 holds 0.229 at 2048: the smaller share second
-    assert cal.choose_full({"1024": gains["1024"]}, most=2) == (23, 7)
-    assert cal.choose_full(gains, share=0.5) == ()
-    assert cal.choose_full({"1024": {"whole": -0.1, "layers": layers_1k}}) == ()  # nothing to recover
-    assert cal.choose_full({}) == ()
+    assert cal.choose_full(gains) == {2048: (7,), 1024: (23, 7)}
+    assert cal.choose_full(gains, cover=0.99) == {2048: (7, 8), 1024: (23, 7)}  # 8 holds its quarter at 2048
+    assert cal.choose_full(gains, most=1) == {2048: (7,), 1024: (23,)}
+    assert cal.choose_full(gains, share=0.46) == {2048: (7,), 1024: (23,)}  # 7 holds 0.452 at 1024
+    assert cal.choose_full(gains, share=0.95) == {2048: (), 1024: ()}
+    assert cal.choose_full({"1024": {"whole": -0.1, "layers": layers_1k}}) == {1024: ()}  # nothing to recover
+    assert cal.choose_full({}) == {}
     sliding = {"1024": {"whole": 0.5, "layers": [None, 0.4, None]}}
-    assert cal.choose_full(sliding) == (1,)
+    assert cal.choose_full(sliding) == {1024: (1,)}
+
+
+def test_a_context_takes_the_choice_of_the_scanned_length_nearest_its_own():
+    """Nearest on a log scale: the boundary between 1024 and 2048 is their geometric mean (1448.2); beyond the
+    longest scanned length, the longest's. ``{0: layers}`` (a list in the file) holds at every length."""
+    by_length = {1024: (23, 7), 2048: (7,)}
+    assert [cal.layers_at(by_length, n) for n in (100, 1024, 1448, 1449, 2048, 32768)] == [
+        (23, 7), (23, 7), (23, 7), (7,), (7,), (7,)]  # fmt: skip
+    assert cal.layers_at({0: (5,)}, 7) == cal.layers_at({0: (5,)}, 10**6) == (5,)
+    assert cal.layers_at({}, 1024) == ()
+    assert cal.layers_at({1024: (1,), 4096: (2,)}, 2048) == (2,)  # a tie: the longer
+    assert cal.describe_full(by_length) == "[23, 7] near 1024 tokens, [7] near 2048"
+    assert cal.describe_full({0: (5,)}) == "[5]" and cal.describe_full({}) == "none"
 
 
 def test_a_calibration_with_full_layers_round_trips_and_an_older_file_still_loads(tmp_path):
     gains = {"1024": {"whole": 0.5, "layers": [0.1, 0.4, None]}}
-    found = cal.Calibration("m", {"layers": 3}, (0,), (1.0, 0.1, None), {"task": "niah_single"}, (1,), gains,
-                            {"task": "qa", "lengths": [1024]})  # fmt: skip
+    found = cal.Calibration("m", {"layers": 3}, (0,), (1.0, 0.1, None), {"task": "niah_single"}, {1024: (1,)},
+                            gains, {"task": "qa", "lengths": [1024]})  # fmt: skip
     path = found.save(tmp_path / "m.json")
     assert cal.Calibration.load(path) == found
+    assert json.loads(path.read_text())["full_layers"] == {"1024": [1]}
     older = json.loads(found.to_json())
+    path.write_text(json.dumps({**older, "full_layers": [1]}))  # filed before the choice depended on the length
+    assert cal.Calibration.load(path).full_layers == {0: (1,)}
     for key in ("full_layers", "full_gains", "full_settings"):
         del older[key]
     path.write_text(json.dumps(older))
     loaded = cal.Calibration.load(path)
-    assert loaded.full_layers == () and loaded.full_gains == {} and loaded.retrieval_layers == (0,)
-    path.write_text(json.dumps({**older, "full_layers": [-2]}))
-    with pytest.raises(ValueError, match=r"^calibration: .*m\.json is not a kvcompress calibration \(full_layers"):
-        cal.Calibration.load(path)
+    assert loaded.full_layers == {} and loaded.full_gains == {} and loaded.retrieval_layers == (0,)
+    for bad in ([-2], {"1024": [-2]}, {"x": [1]}, {"1024": [0]}):  # layer 0 is a retrieval layer
+        path.write_text(json.dumps({**older, "full_layers": bad}))
+        with pytest.raises(ValueError, match=r"^calibration: .*m\.json is not a kvcompress calibration \(.*full_"):
+            cal.Calibration.load(path)
 
 
 def test_auto_keeps_the_calibrations_full_layers_whole(tmp_path, monkeypatch):
@@ -92,19 +110,23 @@ def test_auto_keeps_the_calibrations_full_layers_whole(tmp_path, monkeypatch):
     for layer, twin in zip(compressed_cache(model, auto, context).layers,
                            compressed_cache(model, press(retrieval_layers=()), context).layers, strict=True):
         assert_same_layer(layer, twin)  # no calibration: nothing kept whole
-    assert auto.active_full_layers == ()
+    assert auto.active_full_layers == {}
     shape = cal.model_identity(model)[1]
-    cal.Calibration("tiny-full", shape, (), (0.0,) * 4, {}, (2,)).save(tmp_path / "tiny-full.json")
-    calibrated = compressed_cache(model, auto, context)
-    assert auto.active_full_layers == (2,)
+    cal.Calibration("tiny-full", shape, (), (0.0,) * 4, {}, {256: (2,), 512: (1,)}).save(tmp_path / "tiny-full.json")
+    calibrated = compressed_cache(model, auto, context)  # 320 tokens: nearer 256 than 512 (boundary 362)
+    assert auto.active_full_layers == {256: (2,), 512: (1,)} and auto.full_layers_at(320) == (2,)
     explicit = compressed_cache(model, press(full_layers=(2,), retrieval_layers=()), context)
     assert [layer.keys.shape[-2] for layer in calibrated.layers] == [21, 21, 320, 21]
     for layer, twin in zip(calibrated.layers, explicit.layers, strict=True):
         assert_same_layer(layer, twin)
-    cal.Calibration("tiny-full", shape, (2,), (0.0,) * 4, {}, (2,)).save(tmp_path / "tiny-full.json")
-    message = r"^full_layers: 2 \(from the calibration of tiny-full\) is also in retrieval_layers \(from the"
-    with pytest.raises(ValueError, match=message), press(full_layers="auto")(model):
-        pass
+    longer = tokens(400, 6)  # nearer 512: layer 1 whole
+    for layer, twin in zip(compressed_cache(model, auto, longer).layers,
+                           compressed_cache(model, press(full_layers=(1,), retrieval_layers=()), longer).layers,
+                           strict=True):  # fmt: skip
+        assert_same_layer(layer, twin)
+    message = r"^full_layers: 1 \(from the calibration of tiny-full\) is also in retrieval_layers: name each"
+    with pytest.raises(ValueError, match=message), press(full_layers="auto", retrieval_layers=(1,))(model):
+        pass  # any length's layers
 
 
 def test_earlier_runs_settings_match_a_press_that_keeps_no_layer_whole():
@@ -112,6 +134,28 @@ def test_earlier_runs_settings_match_a_press_that_keeps_no_layer_whole():
     before = {"compression_ratio": 0.75, "retrieval_layers": "auto"}
     assert press_change(before, {**before, "full_layers": []}, []) == ""
     assert press_change(before, {**before, "full_layers": [7]}, []) == "full_layers: [] there, [7] now"
+
+
+def test_runs_from_before_the_choice_by_length_match_a_press_that_takes_the_layers_named_at_every_length(
+    embedded_dir,
+):
+    """A run of ``full_layers="auto"`` recorded before ``full_layers_by_length`` kept the layers named at every length
+    (layer 7): ``balanced()`` (False) still matches it, the default (True, layers 23 and 7 near 1024 tokens) does
+    not; with layers named, the field reads nothing and is not recorded."""
+    from kvcompress.models import load_model
+    from kvcompress.registry import press_settings
+
+    model, _ = load_model(embedded_dir)
+    balanced = press_settings(CompressKVPress.balanced(compression_ratio=0.75), model)
+    earlier = {key: value for key, value in balanced.items() if key != "full_layers_by_length"}
+    assert earlier["active_full_layers"] == [7] and press_change(earlier, balanced, []) == ""
+    default = press_settings(CompressKVPress(compression_ratio=0.75), model)
+    assert default["active_full_layers"] == {"1024": [23, 7], "2048": [7]}
+    earlier_default = {key: value for key, value in default.items() if key != "full_layers_by_length"}
+    earlier_default["active_full_layers"] = [7]
+    change = press_change(earlier_default, default, [])
+    assert "active_full_layers: [7] there" in change and "full_layers_by_length: False there, True now" in change
+    assert "full_layers_by_length" not in press_settings(CompressKVPress(full_layers=(7,)), model)
 
 
 @pytest.mark.slow
@@ -130,21 +174,23 @@ def test_calibrate_with_a_full_layer_scan_files_its_gains(tmp_path, capsys, embe
     assert found.full_settings["task"] == "qa" and found.full_settings["kept"] == 0.5
     printed = capsys.readouterr().out
     assert "512 tokens, qa: the uncompressed cache gains" in printed
-    assert f"layers kept whole {list(found.full_layers)} filed in {out}" in printed
+    assert f"layers kept whole {cal.describe_full(found.full_layers)} filed in {out}" in printed
 
 
-def test_the_embedded_models_calibration_names_layer_7_to_keep_whole(embedded_dir):
+def test_the_embedded_models_calibration_keeps_layers_23_and_7_whole_near_1024_tokens_and_7_near_2048(embedded_dir):
     """`kvcompress calibrate --full-lengths 1024 2048` on SmolLM2-135M-Instruct (8 qa contexts a length, 50% kept):
     layer 7 recovers 0.485 of the uncompressed cache's 0.515 nats at 2048 tokens and 0.335 of 0.741 at 1024, where
-    layer 23 leads (0.366) but holds under a quarter at 2048; the retrieval scan's drops are the shipped ones."""
+    layer 23 leads (0.366); the retrieval scan's drops are the shipped ones. The file's choice is what
+    :func:`choose_full` makes of its gains with its settings."""
     import types
 
     from transformers import AutoConfig
 
     found = cal.find(types.SimpleNamespace(config=AutoConfig.from_pretrained(embedded_dir)))
-    assert found.full_layers == (7,) and found.retrieval_layers == (18,)
+    assert found.full_layers == {1024: (23, 7), 2048: (7,)} and found.retrieval_layers == (18,)
     assert set(found.full_gains) == {"1024", "2048"} and found.full_settings["task"] == "qa"
-    assert found.full_layers == cal.choose_full(found.full_gains, found.full_settings["share"])
+    rule = found.full_settings
+    assert found.full_layers == cal.choose_full(found.full_gains, rule["share"], rule["most"], rule["cover"])
     assert max(found.full_gains["1024"]["layers"]) == found.full_gains["1024"]["layers"][23]
 
 
@@ -154,11 +200,11 @@ def test_both_scans_measure_presses_that_keep_no_layer_whole_whatever_the_models
     model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
     plain = cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2)
     gains = cal.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey").full_gains
-    found = cal.Calibration("x", cal.model_identity(model)[1], (), (0.0,) * 3, {}, (1,))
+    found = cal.Calibration("x", cal.model_identity(model)[1], (), (0.0,) * 3, {}, {320: (1,)})
     monkeypatch.setattr(cal, "find", lambda m: found)
     assert cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2) == plain
     again = cal.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey")
     assert again.full_gains == gains
     auto = press()
     auto.check_model(model, [None] * 3)
-    assert auto.active_full_layers == (1,)  # where the default would have kept layer 1 whole
+    assert auto.active_full_layers == {320: (1,)}  # where the default would have kept layer 1 whole
