@@ -82,6 +82,9 @@ class Calibration:
     def __post_init__(self) -> None:
         if isinstance(self.full_layers, (tuple, list)):  # the same layers at every length
             object.__setattr__(self, "full_layers", {0: tuple(self.full_layers)} if self.full_layers else {})
+        lengths = set(self.full_layers)
+        if not all(isinstance(n, int) and n >= 0 for n in lengths) or (0 in lengths and len(lengths) > 1):
+            raise ValueError(f"full_layers: context lengths > 0 (or 0 alone: every length), got {sorted(lengths)}")
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self), "full_layers": full_layers_json(self.full_layers)},

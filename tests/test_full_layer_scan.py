@@ -75,6 +75,8 @@ def test_a_context_takes_the_choice_of_the_scanned_length_nearest_its_own():
         (23, 7), (23, 7), (23, 7), (7,), (7,), (7,)]  # fmt: skip
     assert cal.layers_at({0: (5,)}, 7) == cal.layers_at({0: (5,)}, 10**6) == (5,)
     assert cal.layers_at({}, 1024) == ()
+    with pytest.raises(ValueError, match=r"^full_layers: context lengths > 0 \(or 0 alone: .*got \[0, 1024\]$"):
+        cal.Calibration("m", {}, (), (), {}, {0: (1,), 1024: (2,)})
     assert cal.layers_at({1024: (1,), 4096: (2,)}, 2048) == (2,)  # a tie: the longer
     assert cal.describe_full(by_length) == "[23, 7] near 1024 tokens, [7] near 2048"
     assert cal.describe_full({0: (5,)}) == "[5]" and cal.describe_full({}) == "none"
