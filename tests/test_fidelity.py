@@ -261,7 +261,7 @@ def test_cli_writes_every_output_flags_masking_and_resumes(tmp_path, embedded_di
     out = tmp_path / "run"
     argv = ["--model", str(embedded_dir), "--kinds", "prose", "--lengths", "300", "--seeds", "1",
             "--continuation-tokens", "16", "--max-new-tokens", "6", "--kept", "0.5", "--resamples", "200",
-            "--presses", "exact", "snapkv", "compresskv", "adakv", "--output-dir", str(out)]  # fmt: skip
+            "--presses", "snapkv", "compresskv", "adakv", "--output-dir", str(out)]  # fmt: skip (exact runs unasked)
     assert fidelity.main(argv) == 0
     for name in ("runs.jsonl", "summary.csv", "summary.json", "layer_errors.csv", "fidelity.md", "fidelity_kl.png"):
         assert (out / name).stat().st_size > 0, name
@@ -285,7 +285,7 @@ def test_cli_writes_every_output_flags_masking_and_resumes(tmp_path, embedded_di
     summary = json.loads((out / "summary.json").read_text())
     assert {"summary", "config", "contexts", "environment"} <= set(summary)
     assert [set(n) for n in summary["contexts"][0]["needles"]] == [{"key", "code", "depth"}] * 2
-    assert summary["environment"]["kvpress"] == "0.5.5" and summary["config"]["presses"][1] == "snapkv"
+    assert summary["environment"]["kvpress"] == "0.5.5" and summary["config"]["presses"][0] == "snapkv"
     table = {(e["press"], e["kept"]): e for e in summary["summary"]}
     assert table[("adakv", 0.5)]["kept_everything"] and not table[("adakv", 0.5)]["best_kl"]
     assert table[("snapkv", 0.5)]["kl_vs_snapkv"] == pytest.approx(1.0)
@@ -327,7 +327,7 @@ def test_cli_writes_every_output_flags_masking_and_resumes(tmp_path, embedded_di
     merged.mkdir()
     (merged / "settings.json").write_text((out / "settings.json").read_text())
     (merged / "runs.jsonl").write_text((out / "runs.jsonl").read_text() * 2)
-    argv = [*argv[:-7], "--presses", "snapkv", "streamingllm", "--output-dir", str(merged), "--report-only"]
+    argv = [*argv[:-6], "--presses", "snapkv", "streamingllm", "--output-dir", str(merged), "--report-only"]
     assert fidelity.main(argv) == 0
     assert "already in" not in capsys.readouterr().out  # nothing prefilled, not even the exact pass
     summary = json.loads((merged / "summary.json").read_text())["summary"]

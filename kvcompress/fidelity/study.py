@@ -111,9 +111,10 @@ def study_settings(cfg: StudyConfig, contexts: list[Context], identity: dict) ->
 
 
 def press_records(model, specs: list[PressSpec]) -> dict[str, dict]:
-    """Each press's :func:`kvcompress.registry.press_settings` by label (the kept fraction left out: rows hold it)."""
+    """Each planned press's :func:`kvcompress.registry.press_settings` by label, the exact cache's included (it runs
+    whether or not ``specs`` names it); the kept fraction is left out: rows hold it."""
     records = {}
-    for spec in specs:
+    for spec in [EXACT, *specs]:
         settings = press_settings(make_press(spec, 0.5) if spec.name != "exact" else None, model)
         settings.pop("compression_ratio", None)
         records[spec.label] = settings
