@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvcompress.calibration as cal
+import kvcompress.calibration_scan as scan
 from kvcompress import CompressKVPress
 from kvcompress.fidelity.measure import prefill
 from tests.test_press_options import compressed_cache, tokens
@@ -76,7 +77,7 @@ def test_the_scan_scores_each_full_attention_layer_by_the_needle_log_prob_it_los
     from kvcompress.ruler.generator import generate
 
     model = tiny_model("gemma3", vocab_size=len(tokenizer), sliding_window=64)
-    drops = cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=5)
+    drops = scan.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=5)
     assert drops[0] is None and drops[2] is None and math.isfinite(drops[1])
     example = generate("niah_single", tokenizer, 320, 1, 5)[0]
     inputs = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer).preprocess(
@@ -98,9 +99,9 @@ def test_the_scan_scores_each_full_attention_layer_by_the_needle_log_prob_it_los
 def test_the_scan_measures_the_uniform_press_whatever_the_models_calibration(tokenizer, monkeypatch):
     """A model that already has a calibration is scanned as one without: the scan's default names no layer."""
     model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
-    plain = cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2)
+    plain = scan.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2)
     monkeypatch.setattr(cal, "find", lambda m: calibration("x", cal.model_identity(m)[1], (0,)))
-    assert cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2) == plain
+    assert scan.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2) == plain
     auto = press(retrieval_layers="auto")  # where the default would have used layer 0
     auto.check_model(model, [None] * 3)
     assert auto.active_retrieval_layers == (0,)
@@ -200,7 +201,7 @@ def test_the_embedded_model_ships_its_calibration(embedded_dir):
 )
 def test_bad_flags_exit_2_naming_the_flag(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cal.main(flags)
+        scan.main(flags)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 import kvcompress.calibration as cal
+import kvcompress.calibration_scan as scan
 from kvcompress import CompressKVPress
 from kvcompress.registry import press_change
 from tests.test_calibration import assert_same_layer, named
@@ -33,7 +34,7 @@ def test_a_models_only_full_attention_layer_kept_whole_gains_what_the_whole_cach
     uncompressed cache: that layer's gain equals the whole cache's (both rounded to 4 decimals, float32 logits), and
     the sliding layers get no score. The gain is not zero: the press did lose something there."""
     model = tiny_model("gemma3", vocab_size=len(tokenizer), sliding_window=64)
-    gains = cal.full_layer_gains(model, tokenizer, CompressKVPress(compression_ratio=0.75, seed=1),
+    gains = scan.full_layer_gains(model, tokenizer, CompressKVPress(compression_ratio=0.75, seed=1),
                                  task="niah_multikey", length=320, contexts=2, seed=4)  # fmt: skip
     assert gains["layers"][0] is None and gains["layers"][2] is None
     assert gains["layers"][1] == pytest.approx(gains["whole"], abs=2e-3)
@@ -44,7 +45,7 @@ def test_the_full_layer_scan_gives_each_full_layer_its_own_gain(tokenizer):
     """Three full-attention layers: each gets a finite score of its own, and no single layer stands for the whole
     uncompressed cache (the other two layers stay compressed)."""
     model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
-    gains = cal.full_layer_gains(model, tokenizer, press(), task="niah_multikey", length=320, contexts=1, seed=2)
+    gains = scan.full_layer_gains(model, tokenizer, press(), task="niah_multikey", length=320, contexts=1, seed=2)
     assert len(gains["layers"]) == 3 and all(isinstance(g, float) for g in gains["layers"])
     assert len({round(g, 4) for g in gains["layers"]}) == 3
 
@@ -203,12 +204,12 @@ def test_both_scans_measure_presses_that_keep_no_layer_whole_whatever_the_models
     """A model whose calibration keeps a layer whole is scanned as one without: the retrieval scan's uniform press and
     the full-layer scan's press keep every layer compressed (the default's full_layers="auto" would not)."""
     model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
-    plain = cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2)
-    gains = cal.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey").full_gains
+    plain = scan.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2)
+    gains = scan.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey").full_gains
     found = cal.Calibration("x", cal.model_identity(model)[1], (), (0.0,) * 3, {}, {320: (1,)})
     monkeypatch.setattr(cal, "find", lambda m: found)
-    assert cal.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2) == plain
-    again = cal.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey")
+    assert scan.layer_drops(model, tokenizer, kept=0.25, length=320, contexts=1, seed=2) == plain
+    again = scan.calibrate(model, tokenizer, 0.25, 320, 1, 2, full_lengths=(320,), full_task="niah_multikey")
     assert again.full_gains == gains
     auto = press()
     auto.check_model(model, [None] * 3)

@@ -1,16 +1,16 @@
 """Diagnosis for issue 20 (not part of the library): in which layers does a second reading's scoring help the answers?
 
-Per RULER-style context of TASK (default niah_multikey), one prefill under press A (default `compresskv`) and one
-under press B (default `compresskv_balanced`), both with the same row plan (the same retrieval layers and kept
-fraction). As in `kvcompress.calibration.layer_drops`, each layer is compressed from its own keys and queries, so A's
-cache with layer l swapped in from B's is the cache of A with B's rows in layer l alone. Prints, per layer, the mean
-log-prob (nats) of the expected answers gained by that swap, and B's whole gain over A.
+Per RULER-style context of TASK (default niah_multikey), one prefill under press A (default `compresskv`) and one under
+press B (default `compresskv_balanced`), both with the same row plan (the same retrieval layers and kept fraction). As
+in `kvcompress.calibration_scan.layer_drops`, each layer is compressed from its own keys and queries, so A's cache with
+layer l swapped in from B's is the cache of A with B's rows in layer l alone. Prints, per layer, the mean log-prob
+(nats) of the expected answers gained by that swap, and B's whole gain over A.
 
-DONOR ``full`` (the thirtieth session: which layers lose the multi-key needles at 2048 tokens) makes B the full
-cache: A's cache with layer l replaced by the full cache's layer (wrapped as a compressed layer, every row with
-weight 1 and no clip range, so its attention is exactly the full layer's) is A with nothing dropped in layer l.
+DONOR ``full`` (the thirtieth session: which layers lose the multi-key needles at 2048 tokens) makes B the full cache:
+A's cache with layer l replaced by the full cache's layer (wrapped as a compressed layer, every row with weight 1 and no
+clip range, so its attention is exactly the full layer's) is A with nothing dropped in layer l.
 
-    python results/frontier/diagnosis/repeat_layer_gain.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [DONOR]
+python results/frontier/diagnosis/repeat_layer_gain.py [TASK] [CONTEXTS] [SEED] [KEPT] [LENGTH] [DONOR]
 """
 import os
 import sys
@@ -19,7 +19,7 @@ import kvpress  # noqa: F401
 import torch
 from transformers import pipeline
 
-from kvcompress.calibration import _answer_logprob
+from kvcompress.calibration_scan import _answer_logprob
 from kvcompress.fidelity.measure import prefill
 from kvcompress.models import load_model
 from kvcompress.presses import CompressKVPress

@@ -19,7 +19,7 @@ import kvpress  # noqa: F401
 import torch
 from transformers import pipeline
 
-from kvcompress.calibration import _answer_logprob
+from kvcompress.calibration_scan import _answer_logprob
 from kvcompress.fidelity.measure import prefill
 from kvcompress.models import load_model
 from kvcompress.presses import CompressKVPress
