@@ -169,9 +169,9 @@ def choose(drops: tuple[float | None, ...], threshold: float = THRESHOLD) -> tup
 def choose_full(
     gains: dict, share: float = FULL_SHARE, most: int = FULL_MOST, cover: float = FULL_COVER
 ) -> dict[int, tuple[int, ...]]:
-    """From :func:`full_layer_gains` per length (``{length: {"whole": .., "layers": [..]}}``), per length the layers
-    kept whole there: the largest shares of the uncompressed cache's gain first, each at least ``share``, until they
-    add up to ``cover`` or ``most`` are taken (none where that gain is not positive)."""
+    """From :func:`kvcompress.calibration_scan.full_layer_gains` per length (``{length: {"whole": .., "layers":
+    [..]}}``), per length the layers kept whole there: the largest shares of the uncompressed cache's gain first, each
+    at least ``share``, until they add up to ``cover`` or ``most`` are taken (none where that gain is not positive)."""
     chosen = {}
     for tokens, g in gains.items():
         gained = enumerate(g["layers"]) if g["whole"] > 0 else ()
