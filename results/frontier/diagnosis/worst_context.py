@@ -5,14 +5,16 @@ A diagnostic, not part of the library. From the repository root:
     python results/frontier/diagnosis/worst_context.py tokens SEED CONTEXT PRESS [PRESS ...]
     python results/frontier/diagnosis/worst_context.py layers SEED CONTEXT PRESS_A PRESS_B
 
-``tokens``: each press's KL(exact || press) per continuation token (the study's mean is their mean) and the 20
-tokens with the largest summed KL, with the text before each. ``layers``: PRESS_A's cache with one layer at a time
-replaced by PRESS_B's (its rows wrapped as a compressed layer with weight 1 and no clip range), the continuation's
-KL of each. Contexts as ``python -m eval.fidelity --seed SEED`` builds them (the default kinds, lengths and
-depths), the embedded model in float32, 25% kept, one thread.
+``tokens``: each press's KL(exact || press) per continuation token (the study's mean is their mean) and the 20 tokens
+with the largest summed KL, with the text before each. ``layers``: PRESS_A's cache with one layer at a time replaced by
+PRESS_B's (a compressed layer as it is; an exact one's rows wrapped with weight 1 and no clip range), the continuation's
+KL of each. Contexts as ``python -m eval.fidelity --seed SEED`` builds them (the default kinds and depths; the default
+lengths and seeds per kind and length unless ``LENGTHS="1024"`` and ``SEEDS=8`` say, as ``--lengths`` and ``--seeds``
+do), the embedded model in float32, 25% kept, one thread.
 """
 
 import copy
+import os
 import sys
 
 import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
@@ -52,7 +54,9 @@ def main(mode: str, seed: str, name: str, *specs: str) -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_model(None, dtype=torch.float32, device="cpu")
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    contexts = build_contexts(pipe, ["prose", "code", "mix"], [2048, 4096], 2, 128, seed=int(seed))
+    lengths = [int(x) for x in os.environ.get("LENGTHS", "2048 4096").split()]
+    per_kind = int(os.environ.get("SEEDS", "2"))
+    contexts = build_contexts(pipe, ["prose", "code", "mix"], lengths, per_kind, 128, seed=int(seed))
     index = [c.name for c in contexts].index(name)
     ctx = contexts[index]
     exact, _ = prefill(model, None, ctx.ids)
@@ -71,7 +75,9 @@ def main(mode: str, seed: str, name: str, *specs: str) -> None:
         return
     a, b = caches[specs[0]], caches[specs[1]]
     for layer in range(len(a.layers)):
-        mixed = with_layers(a, {layer: as_weighted(b.layers[layer], ctx.ids.shape[1])})
+        donor = b.layers[layer]  # a compressed layer as it is (its weights and clip range), an exact one wrapped
+        donor = donor if isinstance(donor, WeightedLayer) else as_weighted(donor, ctx.ids.shape[1])
+        mixed = with_layers(a, {layer: donor})
         print(f"layer {layer:2d} from {specs[1]}: KL {token_kl(model, ref, mixed, ctx).mean():.4f}", flush=True)
 
 
