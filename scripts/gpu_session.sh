@@ -13,14 +13,16 @@
 # twentieth added default_overlap and balanced_overlap (the selection and fit on a side stream) and the fused merge;
 # the twenty-first the decode kernels' cached launch, and moved the decode steps up: in one 540 s call the kernel
 # tests, the 32k breakdown and the decode steps decide every switch that waits for a GPU (overlap_compression,
-# FUSED_MERGE, CACHED_LAUNCH) before the deadline cuts the rest.
+# FUSED_MERGE, CACHED_LAUNCH) before the deadline cuts the rest. The thirty-fifth added the `calibrated` setting to the
+# 32k breakdown: a layer kept whole and a widened one, as a calibrated model's default runs (never run on a GPU).
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
 #
 # Steps, by name:
 #   kernel_tests    every Triton kernel's tests compiled on CUDA (and the CUDA-graph decode against eager)
 #   lse_prefill     which kernel sdpa picks for a 32k causal prefill and each fused operator's time and error
 #                   with its log-sum-exp (`python -m eval.probe_flash_lse --context 0`; the induction prior's path)
-#   prefill_32768   the prefill breakdown at 32k, every setting of README's table that has one (issue 20's goals:
+#   prefill_32768   the prefill breakdown at 32k, every setting of README's table that has one, and `calibrated`
+#                   (the default with the embedded model's calibrated layers at the same depths; issue 20's goals:
 #                   the default <= 1.3x no press, the "thorough" point <= 2.2x, peak <= SnapKV's + 5%, the fit <= 5%)
 #   decode_32768_b1 / decode_32768_b8   decode steps and one layer's attention call at 32k (its host time also
 #                   without the Triton launches, with the merge fused into one launch, with the cached launch and
@@ -57,7 +59,7 @@ DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
 DECODE_CONTEXTS=${DECODE_CONTEXTS:-32768}
 DECODE_BATCHES=${DECODE_BATCHES:-1 8}
-SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_overlap balanced balanced_overlap balanced_eighth thorough kvzip window_sum}
+SETTINGS_32K=${SETTINGS_32K:-none snapkv default calibrated default_overlap balanced balanced_overlap balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)

@@ -39,7 +39,7 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
         "thorough", "balanced", "balanced_window_novelty", "balanced_eighth", "window_repeat_sum", "repeat_quarter",
     ):
         assert by_name[name]["repeat_forward_s"] > 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
-    for name in ("default", "window", "context", "accumulated"):
+    for name in ("default", "calibrated", "window", "context", "accumulated"):
         assert by_name[name]["repeat_forward_s"] == 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
     assert by_name["window_nofit"]["fit_s"] == 0
     mass = data["prefill_breakdown"]["mass"]
@@ -60,6 +60,19 @@ def test_a_setting_can_change_a_named_settings_fields() -> None:
     built = make_setting("balanced_window_novelty", cfg)
     assert built == CompressKVPress.balanced(1.0 - cfg.kept, seed=cfg.seed, reference=("window", "novelty", "repeat"))
     assert built.repeat_pieces == "novel" and built != make_setting("balanced", cfg)
+
+
+def test_the_calibrated_setting_puts_the_embedded_models_layers_at_the_same_depths() -> None:
+    from eval.speed.config import resolve_config
+    from eval.speed.prefill import make_setting
+    from kvcompress import CompressKVPress
+
+    qwen = resolve_config(["--device", "cpu", "--only", "prefill"])  # Qwen2.5-7B's 28 layers: 18/30 -> 16, 7/30 -> 6
+    ratio = 1.0 - qwen.kept
+    assert make_setting("calibrated", qwen) == CompressKVPress(ratio, seed=qwen.seed, retrieval_layers=(16,),
+                                                               full_layers=(6,))  # fmt: skip
+    smoke = resolve_config(ARGS)  # 2 layers: the whole layer alone, the other pays for it
+    assert make_setting("calibrated", smoke) == CompressKVPress(ratio, seed=smoke.seed, full_layers=(0,))
 
 
 def cpu_peak_readable() -> bool:

@@ -42,6 +42,10 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "uniform": None,
     "paper": None,
     "default": {},
+    # the default as a calibrated model runs it: the embedded model's calibrated layers (18 widened, 7 kept whole,
+    # of 30) at the same depths of this model; a random-weight model has no calibration, so "default" is the uniform
+    # press there, and what this row times is those layers' cost, not their choice
+    "calibrated": dict(layers_at_depth=dict(retrieval_layers=18 / 30, full_layers=7 / 30)),
     "thorough": None,  # CompressKVPress.thorough()
     "balanced": None,  # CompressKVPress.balanced(): a repeat pass over the most novel quarter
     "kvzip": None,  # CompressKVPress.kvzip(): KVzip's scoring, repeat pass without window or fit
@@ -78,6 +82,11 @@ def make_setting(name: str, cfg: Config):
     if name in registry.PRESETS:  # CompressKVPress's named settings (paper above: with the run's bin_rank)
         return getattr(CompressKVPress, name)(ratio, seed=cfg.seed)
     fields = dict(SETTINGS[name])
+    layers = cfg.model["num_hidden_layers"]
+    for key, depth in fields.pop("layers_at_depth", {}).items():
+        fields[key] = (int(depth * layers),)
+    if layers < 4:  # the smoke run's 2-layer model: the whole layer alone, or no layer would be left to pay for both
+        fields.pop("retrieval_layers", None)
     preset = fields.pop("preset", None)
     if preset is not None:
         return getattr(CompressKVPress, preset)(ratio, seed=cfg.seed, **fields)
