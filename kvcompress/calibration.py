@@ -68,6 +68,9 @@ class Calibration:
         lengths = set(self.full_layers)
         if not all(isinstance(n, int) and n >= 0 for n in lengths) or (0 in lengths and len(lengths) > 1):
             raise ValueError(f"full_layers: context lengths > 0 (or 0 alone: every length), got {sorted(lengths)}")
+        both = sorted({x for layers in self.full_layers.values() for x in layers} & set(self.retrieval_layers))
+        if both:  # what from_json refuses: never file a calibration that cannot be read back
+            raise ValueError(f"full_layers: layers {both} are retrieval_layers too (a layer is widened or kept whole)")
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self), "full_layers": full_layers_json(self.full_layers)},
@@ -167,15 +170,17 @@ def choose(drops: tuple[float | None, ...], threshold: float = THRESHOLD) -> tup
 
 
 def choose_full(
-    gains: dict, share: float = FULL_SHARE, most: int = FULL_MOST, cover: float = FULL_COVER
+    gains: dict, share: float = FULL_SHARE, most: int = FULL_MOST, cover: float = FULL_COVER,
+    retrieval: tuple[int, ...] = (),
 ) -> dict[int, tuple[int, ...]]:
     """From :func:`kvcompress.calibration_scan.full_layer_gains` per length (``{length: {"whole": .., "layers":
     [..]}}``), per length the layers kept whole there: the largest shares of the uncompressed cache's gain first, each
-    at least ``share``, until they add up to ``cover`` or ``most`` are taken (none where that gain is not positive)."""
+    at least ``share``, until they add up to ``cover`` or ``most`` are taken (none where that gain is not positive).
+    The ``retrieval`` layers are never chosen: the press widens them instead, and a layer cannot be both."""
     chosen = {}
     for tokens, g in gains.items():
         gained = enumerate(g["layers"]) if g["whole"] > 0 else ()
-        shares = {x: gain / g["whole"] for x, gain in gained if gain is not None}
+        shares = {x: gain / g["whole"] for x, gain in gained if gain is not None and x not in retrieval}
         taken: list[int] = []
         for layer in sorted((x for x in shares if shares[x] >= share), key=lambda x: -shares[x])[:most]:
             if sum(shares[x] for x in taken) >= cover:

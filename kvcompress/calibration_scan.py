@@ -169,7 +169,7 @@ def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts
             gains[str(tokens)] = full_layer_gains(model, tokenizer, press, full_task, tokens, contexts, seed, progress)
         full_settings = {"task": full_task, "lengths": list(full_lengths), "contexts": contexts, "kept": full_kept,
                          "seed": seed, "share": full_share, "most": full_most, "cover": full_cover}  # fmt: skip
-    full = choose_full(gains, full_share, full_most, full_cover)
+    full = choose_full(gains, full_share, full_most, full_cover, retrieval)
     return Calibration(name, shape, retrieval, drops, settings, full, gains, full_settings)
 
 

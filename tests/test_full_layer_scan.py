@@ -66,6 +66,14 @@ def test_the_choice_per_length_takes_the_fewest_layers_that_cover_most_of_the_ga
     assert cal.choose_full({}) == {}
     sliding = {"1024": {"whole": 0.5, "layers": [None, 0.4, None]}}
     assert cal.choose_full(sliding) == {1024: (1,)}
+    # a retrieval layer is widened, never kept whole (a calibration naming a layer in both would not load): the
+    # embedded model's qa scan at 1536 tokens and 25% kept, where layer 18 recovers the most (1.041 of 3.252 nats)
+    layers_15 = [0.0] * 30
+    layers_15[7], layers_15[17], layers_15[18], layers_15[23] = 0.748, 0.269, 1.041, 0.878
+    at_1536 = {"1536": {"whole": 3.252, "layers": layers_15}}
+    assert cal.choose_full(at_1536) == {1536: (18, 23)}
+    assert cal.choose_full(at_1536, retrieval=(18,)) == {1536: (23,)}  # 7 holds 0.23, under a quarter
+    assert cal.choose_full(at_1536, share=0.2, retrieval=(18,)) == {1536: (23, 7)}
 
 
 def test_a_context_takes_the_choice_of_the_scanned_length_nearest_its_own():
@@ -78,6 +86,8 @@ def test_a_context_takes_the_choice_of_the_scanned_length_nearest_its_own():
     assert cal.layers_at({}, 1024) == ()
     with pytest.raises(ValueError, match=r"^full_layers: context lengths > 0 \(or 0 alone: .*got \[0, 1024\]$"):
         cal.Calibration("m", {}, (), (), {}, {0: (1,), 1024: (2,)})
+    with pytest.raises(ValueError, match=r"^full_layers: layers \[18\] are retrieval_layers too"):
+        cal.Calibration("m", {}, (18,), (), {}, {1024: (23, 7), 1536: (18, 23)})  # never filed, as a file is refused
     assert cal.layers_at({1024: (1,), 4096: (2,)}, 2048) == (2,)  # a tie: the longer
     assert cal.describe_full(by_length) == "[23, 7] near 1024 tokens, [7] near 2048"
     assert cal.describe_full({0: (5,)}) == "[5]" and cal.describe_full({}) == "none"
@@ -176,7 +186,7 @@ def test_calibrate_with_a_full_layer_scan_files_its_gains(tmp_path, capsys, embe
     found = cal.Calibration.load(out)
     assert list(found.full_gains) == ["512"] and len(found.full_gains["512"]["layers"]) == 30
     assert found.full_gains["512"]["whole"] > 0
-    assert found.full_layers == cal.choose_full(found.full_gains)
+    assert found.full_layers == cal.choose_full(found.full_gains, retrieval=found.retrieval_layers)
     assert found.full_settings["task"] == "qa" and found.full_settings["kept"] == 0.5
     printed = capsys.readouterr().out
     assert "512 tokens, qa: the uncompressed cache gains" in printed
@@ -196,7 +206,9 @@ def test_the_embedded_models_calibration_keeps_layers_23_and_7_whole_near_1024_t
     assert found.full_layers == {1024: (23, 7), 2048: (7,)} and found.retrieval_layers == (18,)
     assert set(found.full_gains) == {"1024", "2048"} and found.full_settings["task"] == "qa"
     rule = found.full_settings
-    assert found.full_layers == cal.choose_full(found.full_gains, rule["share"], rule["most"], rule["cover"])
+    assert found.full_layers == cal.choose_full(
+        found.full_gains, rule["share"], rule["most"], rule["cover"], found.retrieval_layers
+    )
     assert max(found.full_gains["1024"]["layers"]) == found.full_gains["1024"]["layers"][23]
 
 
