@@ -96,13 +96,12 @@ class Calibration:
                     raise ValueError(f"{name} must be a list of layer indices, got {value!r}")
                 if len(set(value)) != len(value):
                     raise ValueError(f"{name} must name distinct layers, got {value!r}")
-                if name == "full_layers" and (both := sorted(set(layers) & set(value))):
-                    raise ValueError(f"layers {both} are in both retrieval_layers and full_layers")
             if not isinstance(shape, dict) or not all(isinstance(v, int) for v in shape.values()):
                 raise ValueError(f"shape must map names to integers, got {shape!r}")
             if not isinstance(drops, list) or not all(d is None or isinstance(d, (int, float)) for d in drops):
                 raise ValueError(f"drops must be a list of numbers (null for a sliding-window layer), got {drops!r}")
             full = {tokens: tuple(value) for tokens, value in by_length.items()}
+            # the constructor refuses a layer both widened and kept whole
             return cls(str(data["model"]), dict(shape), tuple(layers), tuple(drops), dict(data["settings"]),
                        full, dict(data.get("full_gains", {})), dict(data.get("full_settings", {})))  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError) as err:

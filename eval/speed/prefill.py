@@ -82,11 +82,10 @@ def make_setting(name: str, cfg: Config):
     if name in registry.PRESETS:  # CompressKVPress's named settings (paper above: with the run's bin_rank)
         return getattr(CompressKVPress, name)(ratio, seed=cfg.seed)
     fields = dict(SETTINGS[name])
-    layers = cfg.model["num_hidden_layers"]
-    for key, depth in fields.pop("layers_at_depth", {}).items():
-        fields[key] = (int(depth * layers),)
+    depths, layers = fields.pop("layers_at_depth", {}), cfg.model["num_hidden_layers"]
     if layers < 4:  # the smoke run's 2-layer model: the whole layer alone, or no layer would be left to pay for both
-        fields.pop("retrieval_layers", None)
+        depths = {key: depth for key, depth in depths.items() if key != "retrieval_layers"}
+    fields.update({key: (int(depth * layers),) for key, depth in depths.items()})
     preset = fields.pop("preset", None)
     if preset is not None:
         return getattr(CompressKVPress, preset)(ratio, seed=cfg.seed, **fields)
