@@ -189,6 +189,23 @@ def choose_full(
     return chosen
 
 
+def pool_tasks(by_task: dict[str, dict]) -> dict:
+    """One task's :func:`kvcompress.calibration_scan.full_layer_gains` at a length as they are; several tasks' as
+    ``{"whole": 1.0, "layers": [..], "tasks": by_task}``: each layer's share of its task's uncompressed-cache gain,
+    averaged over the tasks where that gain is positive (each task weighs alike, as in the RULER-style average; a task
+    the press loses nothing on has no share to give), ``"whole"`` 0.0 where no task has one."""
+    if len(by_task) == 1:
+        return next(iter(by_task.values()))
+    losing = [g for g in by_task.values() if g["whole"] > 0]
+    layers = next(iter(by_task.values()))["layers"]
+    shares = [
+        None if layer is None else round(sum(g["layers"][x] / g["whole"] for g in losing) / len(losing), 4)
+        if losing else 0.0
+        for x, layer in enumerate(layers)
+    ]
+    return {"whole": 1.0 if losing else 0.0, "layers": shares, "tasks": by_task}
+
+
 def layers_at(by_length: dict[int, tuple[int, ...]], tokens: int) -> tuple[int, ...]:
     """The layers of ``by_length`` (:attr:`Calibration.full_layers`) for an n-token context: those of the scanned
     length nearest ``tokens`` on a log scale (a tie: the longer), of key 0 (every length) alone, none for ``{}``."""

@@ -40,6 +40,7 @@ from kvcompress.calibration import (
     describe_full,
     file_name,
     model_identity,
+    pool_tasks,
     user_directory,
 )
 
@@ -149,12 +150,12 @@ def full_layer_gains(model, tokenizer, press, task: str = "qa", length: int = 20
 
 
 def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts: int = 8, seed: int = 0,
-              threshold: float = THRESHOLD, progress=None, full_lengths: tuple[int, ...] = (), full_task: str = "qa",
-              full_kept: float = 0.5, full_share: float = FULL_SHARE, full_most: int = FULL_MOST,
-              full_cover: float = FULL_COVER) -> Calibration:  # fmt: skip
+              threshold: float = THRESHOLD, progress=None, full_lengths: tuple[int, ...] = (),
+              full_task: str | tuple[str, ...] = "qa", full_kept: float = 0.5, full_share: float = FULL_SHARE,
+              full_most: int = FULL_MOST, full_cover: float = FULL_COVER) -> Calibration:  # fmt: skip
     """Scan ``model`` (:func:`layer_drops`) and :func:`choose` its retrieval layers; with ``full_lengths``, then scan
-    the press with those layers at each length (:func:`full_layer_gains`, ``full_kept`` kept) and
-    :func:`choose_full` the layers kept whole."""
+    the press with those layers at each length on each ``full_task`` (:func:`full_layer_gains`, ``full_kept`` kept),
+    pool the tasks (:func:`kvcompress.calibration.pool_tasks`) and :func:`choose_full` the layers kept whole."""
     from kvcompress.presses import CompressKVPress
 
     drops = layer_drops(model, tokenizer, kept, length, contexts, seed, progress)
@@ -165,10 +166,14 @@ def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts
     gains, full_settings = {}, {}
     if full_lengths:
         press = CompressKVPress(compression_ratio=1 - full_kept, seed=seed, retrieval_layers=retrieval, full_layers=())
+        tasks = (full_task,) if isinstance(full_task, str) else tuple(full_task)
         for tokens in full_lengths:
-            gains[str(tokens)] = full_layer_gains(model, tokenizer, press, full_task, tokens, contexts, seed, progress)
-        full_settings = {"task": full_task, "lengths": list(full_lengths), "contexts": contexts, "kept": full_kept,
-                         "seed": seed, "share": full_share, "most": full_most, "cover": full_cover}  # fmt: skip
+            scanned = {task: full_layer_gains(model, tokenizer, press, task, tokens, contexts, seed, progress)
+                       for task in tasks}  # fmt: skip
+            gains[str(tokens)] = pool_tasks(scanned)
+        full_settings = {"task": tasks[0] if len(tasks) == 1 else list(tasks), "lengths": list(full_lengths),
+                         "contexts": contexts, "kept": full_kept, "seed": seed, "share": full_share,
+                         "most": full_most, "cover": full_cover}  # fmt: skip
     full = choose_full(gains, full_share, full_most, full_cover, retrieval)
     return Calibration(name, shape, retrieval, drops, settings, full, gains, full_settings)
 
@@ -197,8 +202,10 @@ def main(argv: list[str]) -> int:
                    help="also scan for the layers the answers need whole (CompressKVPress(full_layers='auto')) at "
                         "these context lengths (e.g. 1024 2048, up to the longest your contexts reach; one short "
                         "forward per layer and expected answer); default: no such scan")  # fmt: skip
-    p.add_argument("--full-task", default="qa", choices=sorted(TASKS),
-                   help="RULER-style task of that scan (default qa: facts asked about a document)")
+    p.add_argument("--full-task", nargs="+", default=["qa"], choices=sorted(TASKS), metavar="TASK",
+                   help="RULER-style tasks of that scan (default qa: facts asked about a document); with several, "
+                        "each layer's share of each task's gain, averaged over the tasks. Choices: "
+                        + ", ".join(sorted(TASKS)))  # fmt: skip
     p.add_argument("--full-ratio", type=float, default=0.5, help="KEPT fraction of that scan (default 0.5)")
     p.add_argument("--full-share", type=float, default=FULL_SHARE,
                    help="a layer kept whole recovers at least this share of the uncompressed cache's answer log-prob "
@@ -243,22 +250,28 @@ def main(argv: list[str]) -> int:
     try:
         found = calibrate(model, tokenizer, args.ratio, args.length, args.contexts, args.seed, args.threshold,
                           progress=lambda i, n: print(f"context {i}/{n}", file=sys.stderr, flush=True),
-                          full_lengths=tuple(args.full_lengths), full_task=args.full_task, full_kept=args.full_ratio,
+                          full_lengths=tuple(args.full_lengths), full_task=tuple(dict.fromkeys(args.full_task)),
+                          full_kept=args.full_ratio,
                           full_share=args.full_share, full_most=args.full_most, full_cover=args.full_cover)  # fmt: skip
     except ValueError as err:  # a length too short for the task
         print(f"kvcompress calibrate: error: {err}", file=sys.stderr)
         return 2
+    path = found.save(args.output or user_directory() / file_name(found.model))  # filed first: the scan took long
     print("layer  needle log-prob lost (nats) with the priors off there")
     for layer, drop in enumerate(found.drops):
         mark = "  <- retrieval layer" if layer in found.retrieval_layers else ""
         print(f"{layer:5d}  {'sliding window' if drop is None else f'{drop:.3f}'}{mark}")
     for tokens, gains in found.full_gains.items():
-        print(f"\n{tokens} tokens, {found.full_settings['task']}: the uncompressed cache gains {gains['whole']:+.3f} "
-              "nats per answer; each layer kept whole:")  # fmt: skip
+        by_task = gains["tasks"] if "tasks" in gains else {found.full_settings["task"]: gains}
+        wholes = ", ".join(f"{g['whole']:+.3f} on {task}" for task, g in by_task.items())
+        pooled = "; each layer kept whole (nats per task, then its mean share of the gain):" if "tasks" in gains else (
+            "; each layer kept whole:")
+        print(f"\n{tokens} tokens: the uncompressed cache gains {wholes} (nats per answer){pooled}")
         for layer, gain in enumerate(gains["layers"]):
             mark = "  <- kept whole" if layer in found.full_layers.get(int(tokens), ()) else ""
-            print(f"{layer:5d}  {'sliding window' if gain is None else f'{gain:+.3f}'}{mark}")
-    path = found.save(args.output or user_directory() / file_name(found.model))
+            columns = [g["layers"][layer] for g in by_task.values()] + ([gain] if "tasks" in gains else [])
+            shown = "sliding window" if gain is None else "  ".join(f"{g:+.3f}" for g in columns)
+            print(f"{layer:5d}  {shown}{mark}")
     kept_whole = f", layers kept whole {describe_full(found.full_layers)}" if found.full_settings else ""
     print(f"retrieval layers {list(found.retrieval_layers)}{kept_whole} filed in {path}")
     return 0

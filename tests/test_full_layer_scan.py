@@ -76,6 +76,32 @@ def test_the_choice_per_length_takes_the_fewest_layers_that_cover_most_of_the_ga
     assert cal.choose_full(at_1536, share=0.2, retrieval=(18,)) == {1536: (23, 7)}
 
 
+def test_several_tasks_pool_each_layers_share_of_each_tasks_gain_with_equal_weight():
+    """The embedded model's scans at 1536 tokens, 25% kept (docs/BENCHMARKS.md): qa gains 3.252 nats, layer 23 0.878
+    (0.270) and layer 7 0.748 (0.230, under a quarter); niah_multikey 0.537, layer 7 0.300 (0.559) and 23 0.276
+    (0.514). Alone qa keeps layer 23 only; pooled, the shares are 0.394 (7) and 0.392 (23) and both are kept, although
+    in nats qa's larger gains would outweigh the needles'. A task the press loses nothing on gives no share; one task
+    passes through unchanged."""
+    qa, keys = [0.0] * 30, [0.0] * 30
+    qa[7], qa[18], qa[23], keys[7], keys[23] = 0.748, 1.041, 0.878, 0.300, 0.276
+    keys[5] = -0.029
+    by_task = {"qa": {"whole": 3.252, "layers": qa}, "niah_multikey": {"whole": 0.537, "layers": keys}}
+    pooled = cal.pool_tasks(by_task)
+    assert pooled["whole"] == 1.0 and pooled["tasks"] == by_task
+    assert pooled["layers"][7] == pytest.approx((0.748 / 3.252 + 0.300 / 0.537) / 2, abs=1e-4)
+    assert pooled["layers"][5] == pytest.approx(-0.029 / 0.537 / 2, abs=1e-4)
+    assert cal.choose_full({"1536": by_task["qa"]}, retrieval=(18,)) == {1536: (23,)}
+    assert cal.choose_full({"1536": pooled}, retrieval=(18,)) == {1536: (7, 23)}
+    assert cal.pool_tasks({"qa": by_task["qa"]}) is by_task["qa"]
+    nothing_lost = {"whole": -0.2, "layers": [0.5] * 30}
+    one_losing = cal.pool_tasks({"qa": by_task["qa"], "niah_single": nothing_lost})
+    assert one_losing["layers"][23] == pytest.approx(0.878 / 3.252, abs=1e-4)
+    none_lost = cal.pool_tasks({"a": nothing_lost, "b": nothing_lost})
+    assert none_lost["whole"] == 0.0 and cal.choose_full({"512": none_lost}) == {512: ()}
+    sliding = cal.pool_tasks({"a": {"whole": 1.0, "layers": [None, 0.4]}, "b": {"whole": 2.0, "layers": [None, 0.4]}})
+    assert sliding["layers"] == [None, 0.3]
+
+
 def test_a_context_takes_the_choice_of_the_scanned_length_nearest_its_own():
     """Nearest on a log scale: the boundary between 1024 and 2048 is their geometric mean (1448.2); beyond the
     longest scanned length, the longest's. ``{0: layers}`` (a list in the file) holds at every length."""
@@ -189,7 +215,7 @@ def test_calibrate_with_a_full_layer_scan_files_its_gains(tmp_path, capsys, embe
     assert found.full_layers == cal.choose_full(found.full_gains, retrieval=found.retrieval_layers)
     assert found.full_settings["task"] == "qa" and found.full_settings["kept"] == 0.5
     printed = capsys.readouterr().out
-    assert "512 tokens, qa: the uncompressed cache gains" in printed
+    assert "512 tokens: the uncompressed cache gains" in printed and " on qa (nats per answer)" in printed
     assert f"layers kept whole {cal.describe_full(found.full_layers)} filed in {out}" in printed
 
 
@@ -210,6 +236,45 @@ def test_the_embedded_models_calibration_keeps_layers_23_and_7_whole_near_1024_t
         found.full_gains, rule["share"], rule["most"], rule["cover"], found.retrieval_layers
     )
     assert max(found.full_gains["1024"]["layers"]) == found.full_gains["1024"]["layers"][23]
+
+
+def test_calibrate_on_several_tasks_files_each_tasks_gains_and_chooses_from_their_pooled_shares(tokenizer):
+    """``full_task`` with two tasks scans each as a one-task calibration would (same gains), files both, and keeps
+    whole what :func:`choose_full` makes of their pooled shares."""
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
+    args = (model, tokenizer, 0.25, 320, 1, 2)
+    alone = {task: scan.calibrate(*args, full_lengths=(320,), full_task=task).full_gains["320"]
+             for task in ("niah_multikey", "qa")}  # fmt: skip
+    both = scan.calibrate(*args, full_lengths=(320,), full_task=("niah_multikey", "qa"))
+    assert both.full_gains["320"]["tasks"] == alone
+    assert both.full_gains["320"] == cal.pool_tasks(alone)
+    assert both.full_settings["task"] == ["niah_multikey", "qa"]
+    assert both.full_layers == cal.choose_full(both.full_gains, retrieval=both.retrieval_layers)
+    assert cal.Calibration.from_json(both.to_json()) == both
+
+
+def test_the_cli_prints_each_tasks_gains_and_the_pooled_share_of_each_layer(tokenizer, tmp_path, capsys, monkeypatch):
+    """``kvcompress calibrate --full-task niah_multikey qa``: a row per layer with both tasks' gains and their pooled
+    share, the layers kept whole marked; a task named twice is scanned once."""
+    import kvcompress.models
+    from kvcompress.cli import main
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3)
+    monkeypatch.setattr(kvcompress.models, "load_model", lambda *a, **k: (model, tokenizer))
+    out = tmp_path / "tiny.json"
+    flags = ["--contexts", "1", "--length", "320", "--full-lengths", "320", "--threads", "1", "--output", str(out)]
+    assert main(["calibrate", *flags, "--full-task", "niah_multikey", "qa", "qa"]) == 0
+    found = cal.Calibration.load(out)
+    gains = found.full_gains["320"]
+    assert found.full_settings["task"] == ["niah_multikey", "qa"]
+    printed = capsys.readouterr().out
+    keys, qa = gains["tasks"]["niah_multikey"], gains["tasks"]["qa"]
+    wholes = f"{keys['whole']:+.3f} on niah_multikey, {qa['whole']:+.3f} on qa"
+    assert f"320 tokens: the uncompressed cache gains {wholes} (nats per answer); each layer" in printed
+    for layer in range(3):
+        mark = "  <- kept whole" if layer in found.full_layers[320] else ""
+        row = f"{keys['layers'][layer]:+.3f}  {qa['layers'][layer]:+.3f}  {gains['layers'][layer]:+.3f}{mark}\n"
+        assert f"{layer:5d}  {row}" in printed
 
 
 def test_both_scans_measure_presses_that_keep_no_layer_whole_whatever_the_models_calibration(tokenizer, monkeypatch):
