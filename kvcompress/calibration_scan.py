@@ -10,7 +10,8 @@ at least ``threshold`` nats.
 
 The second scan (:func:`full_layer_gains`, optional: ``kvcompress calibrate --full-lengths``) finds the layers the
 answers need whole (``CompressKVPress(full_layers="auto")``): per RULER-style context of a multi-fact task (``qa`` by
-default), one prefill under the calibrated press and one uncompressed; each layer's score is the log-prob the expected
+default; several tasks are pooled by :func:`kvcompress.calibration.pool_tasks`), one prefill under the calibrated press
+and one uncompressed; each layer's score is the log-prob the expected
 answers gain when the press's cache takes that one layer from the uncompressed one (the same exact swap). At each
 scanned length, the fewest layers that together recover ``full_cover`` of the whole uncompressed cache's gain are kept
 whole, each recovering at least ``full_share`` of it, at most ``full_most``
@@ -188,7 +189,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="kvcompress calibrate",
         description="Find the layers of a model that read facts back (CompressKVPress(retrieval_layers='auto') "
-                    "gives them more rows) and file them for that model.")  # fmt: skip
+                    "gives them more rows) and, with --full-lengths, those its answers need whole at each context "
+                    "length (full_layers='auto'); file them for that model.")  # fmt: skip
     p.add_argument("--model", help="local model directory or Hub name (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--output", help=f"the calibration file (default: {user_directory()}/<model name>.json, where "
                                     "retrieval_layers='auto' looks first)")  # fmt: skip

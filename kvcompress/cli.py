@@ -12,7 +12,8 @@ PROG = "kvcompress"
 # Adding a command is one line here; its module is imported only when it runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("kvcompress.longbench.cli:main", "LongBench-E evaluation of the presses (default: embedded offline run)"),
-    "calibrate": ("kvcompress.calibration_scan:main", "find the layers of a model that read facts back, for the press"),
+    "calibrate": ("kvcompress.calibration_scan:main",
+                  "find the layers of a model that read facts back and those it needs whole, for the press"),
     "serve": ("kvcompress.serve.cli:main", "OpenAI-compatible server keeping contexts compressed (default: embedded)"),
 }
 
