@@ -199,8 +199,8 @@ def pool_tasks(by_task: dict[str, dict]) -> dict:
     losing = [g for g in by_task.values() if g["whole"] > 0]
     layers = next(iter(by_task.values()))["layers"]
     shares = [
-        None if layer is None else round(sum(g["layers"][x] / g["whole"] for g in losing) / len(losing), 4)
-        if losing else 0.0
+        None if layer is None else (round(sum(g["layers"][x] / g["whole"] for g in losing) / len(losing), 4)
+                                    if losing else 0.0)  # fmt: skip
         for x, layer in enumerate(layers)
     ]
     return {"whole": 1.0 if losing else 0.0, "layers": shares, "tasks": by_task}

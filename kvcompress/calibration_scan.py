@@ -167,7 +167,7 @@ def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts
     gains, full_settings = {}, {}
     if full_lengths:
         press = CompressKVPress(compression_ratio=1 - full_kept, seed=seed, retrieval_layers=retrieval, full_layers=())
-        tasks = (full_task,) if isinstance(full_task, str) else tuple(full_task)
+        tasks = tuple(dict.fromkeys((full_task,) if isinstance(full_task, str) else full_task))  # each once
         for tokens in full_lengths:
             scanned = {task: full_layer_gains(model, tokenizer, press, task, tokens, contexts, seed, progress)
                        for task in tasks}  # fmt: skip
@@ -252,7 +252,7 @@ def main(argv: list[str]) -> int:
     try:
         found = calibrate(model, tokenizer, args.ratio, args.length, args.contexts, args.seed, args.threshold,
                           progress=lambda i, n: print(f"context {i}/{n}", file=sys.stderr, flush=True),
-                          full_lengths=tuple(args.full_lengths), full_task=tuple(dict.fromkeys(args.full_task)),
+                          full_lengths=tuple(args.full_lengths), full_task=tuple(args.full_task),
                           full_kept=args.full_ratio,
                           full_share=args.full_share, full_most=args.full_most, full_cover=args.full_cover)  # fmt: skip
     except ValueError as err:  # a length too short for the task
@@ -264,14 +264,15 @@ def main(argv: list[str]) -> int:
         mark = "  <- retrieval layer" if layer in found.retrieval_layers else ""
         print(f"{layer:5d}  {'sliding window' if drop is None else f'{drop:.3f}'}{mark}")
     for tokens, gains in found.full_gains.items():
-        by_task = gains["tasks"] if "tasks" in gains else {found.full_settings["task"]: gains}
+        pooled = "tasks" in gains
+        by_task = gains["tasks"] if pooled else {found.full_settings["task"]: gains}
         wholes = ", ".join(f"{g['whole']:+.3f} on {task}" for task, g in by_task.items())
-        pooled = "; each layer kept whole (nats per task, then its mean share of the gain):" if "tasks" in gains else (
-            "; each layer kept whole:")
-        print(f"\n{tokens} tokens: the uncompressed cache gains {wholes} (nats per answer){pooled}")
+        rows = " (nats per task, then its mean share of the gain)" if pooled else ""
+        print(f"\n{tokens} tokens: the uncompressed cache gains {wholes} (nats per answer); "
+              f"each layer kept whole{rows}:")
         for layer, gain in enumerate(gains["layers"]):
             mark = "  <- kept whole" if layer in found.full_layers.get(int(tokens), ()) else ""
-            columns = [g["layers"][layer] for g in by_task.values()] + ([gain] if "tasks" in gains else [])
+            columns = [g["layers"][layer] for g in by_task.values()] + ([gain] if pooled else [])
             shown = "sliding window" if gain is None else "  ".join(f"{g:+.3f}" for g in columns)
             print(f"{layer:5d}  {shown}{mark}")
     kept_whole = f", layers kept whole {describe_full(found.full_layers)}" if found.full_settings else ""

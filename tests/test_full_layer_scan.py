@@ -245,7 +245,7 @@ def test_calibrate_on_several_tasks_files_each_tasks_gains_and_chooses_from_thei
     args = (model, tokenizer, 0.25, 320, 1, 2)
     alone = {task: scan.calibrate(*args, full_lengths=(320,), full_task=task).full_gains["320"]
              for task in ("niah_multikey", "qa")}  # fmt: skip
-    both = scan.calibrate(*args, full_lengths=(320,), full_task=("niah_multikey", "qa"))
+    both = scan.calibrate(*args, full_lengths=(320,), full_task=("niah_multikey", "qa", "qa"))  # each task once
     assert both.full_gains["320"]["tasks"] == alone
     assert both.full_gains["320"] == cal.pool_tasks(alone)
     assert both.full_settings["task"] == ["niah_multikey", "qa"]
