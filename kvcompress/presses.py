@@ -14,6 +14,7 @@ import torch
 from kvcompress import rng
 from kvcompress._checks import check_choice, check_int_range, check_layer_list, check_number
 from kvcompress.calibration import layers_at
+from kvcompress.hf_attention import take_prefill_rows
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
 from kvcompress.press_guards import check_layer_options
 from kvcompress.reference import (
@@ -251,11 +252,16 @@ class CompressKVPress(WeightedSubsetPress):
         return self.novelty_value_norm and "novelty" in self.reference and self.selection != "rpnys"
 
     def record_reference(self, module, kwargs, keys, values) -> LayerReference:
-        if self.selection == "rpnys":
+        sources = self.reference_sources()
+        if not self.scores_layer(module.layer_idx, keys.shape[-2]):  # kept whole: no rows to score or fit
+            take_prefill_rows(module.layer_idx)  # let go of what the prefill's attention handed over for it
+            # but balanced()'s repeat pass re-reads the pieces most novel over every layer, this one included
+            sources = ("novelty",) if "novelty" in sources and self.repeat_reads_references() else ()
+        elif self.selection == "rpnys":
             radius = prefill_query_radius(module, kwargs) if self.query_radius == "queries" else None
             return LayerReference(query_radius=radius)
         return record_prefill(
-            module, kwargs, keys, self.reference, self.observation_window, self.fit_queries, self.score_pooling,
+            module, kwargs, keys, sources, self.observation_window, self.fit_queries, self.score_pooling,
             novelty_values=values,
         )  # fmt: skip
 
@@ -299,6 +305,9 @@ class CompressKVPress(WeightedSubsetPress):
         """The layers kept whole for a ``tokens``-token context (those of the scanned length nearest it)."""
         return layers_at(self._full, tokens)
 
+    def scores_layer(self, layer_idx: int, tokens: int) -> bool:
+        return layer_idx not in self.full_layers_at(tokens)
+
     def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
         """The whole middle in ``full_layers``, ``retrieval_rows`` times the uniform middle in ``retrieval_layers``;
         each other full-attention layer gives up an equal share of the rows they gain (at least one middle row left)."""
@@ -337,7 +346,7 @@ class CompressKVPress(WeightedSubsetPress):
         return {"novelty": novelty, "induction": min(round(self.induction_share * rows), rows - novelty)}
 
     def compress_middle(self, module, keys, values, start, end, rows, reference):
-        if module.layer_idx in self.full_layers_at(keys.shape[-2]):  # kept whole: its rows as they are, weight 1
+        if not self.scores_layer(module.layer_idx, keys.shape[-2]):  # kept whole: its rows as they are, weight 1
             weights = torch.ones(*keys.shape[:2], end - start, dtype=torch.float32, device=keys.device)
             return keys[:, :, start:end], values[:, :, start:end], weights
         if self.selection == "rpnys":

@@ -50,8 +50,8 @@ class RepeatPassHooks:
     def _record_repeat(self, module: torch.nn.Module, kwargs: dict, cache) -> None:
         """Attention hook while a repeat pass runs: a waiting layer records its repeat queries, and every layer is
         restored from the snapshot (the repeated tokens' rows go)."""
-        if module.layer_idx in self._pending:
-            pending = self._pending[module.layer_idx]
+        pending = self._pending.get(module.layer_idx)
+        if pending is not None and self.scores_layer(module.layer_idx, pending["tokens"]):
             keys = cache.layers[module.layer_idx].keys[:, :, : pending["tokens"]]
             samples, total = self.repeat_samples(), pending["repeat_tokens"]
             record_repeat(module, kwargs, keys, pending["reference"], samples, total)

@@ -166,6 +166,11 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         """Reference-query sources this press reads (see :mod:`kvcompress.reference`); none by default."""
         return ()
 
+    def scores_layer(self, layer_idx: int, tokens: int) -> bool:
+        """Whether layer ``layer_idx`` of a ``tokens``-token context chooses its rows from reference scores (else
+        it keeps them all, and no repeat-pass query is recorded for it)."""
+        return True
+
     def prefill_output_rows(self) -> int:
         """How many of the context's last rows' attention outputs :meth:`record_reference` reads from the prefill's
         own attention call, where that call hands its rows over (:func:`kvcompress.hf_attention.take_prefill_rows`)."""

@@ -17,9 +17,9 @@ from tests.tiny_models import tiny_model
 CONTEXT = 320
 
 
-def press(preset: str | None = None, **options) -> CompressKVPress:
-    """The default press, or ``CompressKVPress.<preset>()``, at 25% kept with a 16-token window."""
-    make = getattr(CompressKVPress, preset) if preset else CompressKVPress
+def press(preset: str | None = None, cls: type[CompressKVPress] = CompressKVPress, **options) -> CompressKVPress:
+    """The default press, or ``CompressKVPress.<preset>()`` (of ``cls``), at 25% kept with a 16-token window."""
+    make = getattr(cls, preset) if preset else cls
     return make(compression_ratio=0.75, seed=5, window_size=16, **options)
 
 
@@ -62,6 +62,59 @@ def test_no_full_layer_keeps_the_default_cache_bit_for_bit():
     context = tokens(CONTEXT, 9)
     expected = compressed_cache(model, press(), context)
     got = compressed_cache(model, press(full_layers=()), context)
+    for layer, twin in zip(got.layers, expected.layers, strict=True):
+        assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values)
+        assert torch.equal(layer.row_weights, twin.row_weights)
+
+
+class RecordsEveryLayer(CompressKVPress):
+    """The press as it was before a whole layer stopped recording: every layer's reference sources and repeat-pass
+    queries recorded, the whole layers' never read."""
+
+    def _scoring_all(self, method, *args):
+        self.scores_layer = lambda layer_idx, tokens: True  # an instance attribute: shadows the method
+        try:
+            return method(*args)
+        finally:
+            del self.scores_layer
+
+    def record_reference(self, *args):
+        return self._scoring_all(super().record_reference, *args)
+
+    def _record_repeat(self, *args):
+        return self._scoring_all(super()._record_repeat, *args)
+
+
+@pytest.mark.parametrize("preset", [None, "balanced"])
+def test_a_whole_layer_records_only_what_another_reads_and_the_cache_is_unchanged(preset, monkeypatch):
+    """A whole layer's rows need no scores: its prefill records no window mass and no induction prior (the
+    default; balanced() keeps its novelty, which chooses the pieces its repeat pass re-reads over every layer),
+    lets go of the queries its prefill attention handed over, and records no repeat-pass query. Every layer's cache
+    is bit for bit the one of the press that recorded everything (the math did not change)."""
+    from kvcompress import repeat_hooks
+    from kvcompress.hf_attention import take_prefill_rows
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    context = tokens(CONTEXT, 11)
+    recorded, repeated = {}, []
+    record_reference = CompressKVPress.record_reference
+
+    def spy(self, module, *args):
+        recorded[module.layer_idx] = reference = record_reference(self, module, *args)
+        assert take_prefill_rows(module.layer_idx) is None  # nothing handed over is left behind
+        return reference
+
+    record_repeat = repeat_hooks.record_repeat
+    monkeypatch.setattr(repeat_hooks, "record_repeat", lambda module, *a: (repeated.append(module.layer_idx),
+                                                                           record_repeat(module, *a)))  # fmt: skip
+    expected = compressed_cache(model, press(preset, full_layers=(1,), cls=RecordsEveryLayer), context)
+    assert 1 in repeated if preset else not repeated
+    repeated.clear()
+    monkeypatch.setattr(CompressKVPress, "record_reference", spy)
+    got = compressed_cache(model, press(preset, full_layers=(1,)), context)
+    assert set(recorded[1].mass) == ({"novelty"} if preset else set()) and not recorded[1].queries
+    assert set(recorded[0].mass) == {"window", "novelty", "induction"} | ({"repeat"} if preset else set())
+    assert 1 not in repeated and (sorted(set(repeated)) == [0, 2, 3] if preset else not repeated)
     for layer, twin in zip(got.layers, expected.layers, strict=True):
         assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values)
         assert torch.equal(layer.row_weights, twin.row_weights)
