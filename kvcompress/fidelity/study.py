@@ -114,10 +114,10 @@ def press_records(model, specs: list[PressSpec]) -> dict[str, dict]:
     """Each planned press's :func:`kvcompress.registry.press_settings` by label, the exact cache's included (it runs
     whether or not ``specs`` names it); the kept fraction is left out: rows hold it."""
     records = {}
-    for spec in [EXACT, *specs]:
+    for label, spec in {spec.label: spec for spec in [EXACT, *specs]}.items():  # a label named twice: once
         settings = press_settings(make_press(spec, 0.5) if spec.name != "exact" else None, model)
         settings.pop("compression_ratio", None)
-        records[spec.label] = settings
+        records[label] = settings
     return records
 
 
