@@ -7,7 +7,8 @@ A diagnostic, not part of the library. From the repository root:
 
 ``kvcompress calibrate``'s full-layer scan (:func:`kvcompress.calibration_scan.full_layer_gains`) run on the calibrated
 press with the layers ``WHOLE`` (comma-separated, e.g. ``7``) already kept whole, the other layers paying for them as
-in the default: the gain of one more layer given those. 8 ``TASK`` contexts of seed 0 per length (the scan's), the
+in the default (the retrieval layers the model's calibration names widened, as ``retrieval_layers="auto"`` does): the
+gain of one more layer given those. 8 ``TASK`` contexts of seed 0 per length (the scan's), the
 embedded model in float32, ``KEPT`` of each context kept, 2 threads.
 """
 
@@ -22,7 +23,7 @@ from kvcompress.presses import CompressKVPress
 task, kept, whole = sys.argv[1], float(sys.argv[2]), tuple(int(x) for x in sys.argv[3].split(","))
 torch.set_num_threads(2)
 model, tokenizer = load_model(None, dtype=torch.float32, device="cpu")
-press = CompressKVPress(compression_ratio=1 - kept, seed=0, retrieval_layers=(18,), full_layers=whole)
+press = CompressKVPress(compression_ratio=1 - kept, seed=0, retrieval_layers="auto", full_layers=whole)
 for length in (int(x) for x in sys.argv[4:]):
     gains = full_layer_gains(model, tokenizer, press, task, length, 8, 0)
     print(f"\n{length} tokens, {task}, {kept:g} kept, layers {list(whole)} whole: the uncompressed cache gains "
