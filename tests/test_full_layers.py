@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcompress import CompressKVPress
+from kvcompress.padding import pad_rows
 from kvcompress.static_cache import StaticWeightedCache
 from tests.test_padding import answer, prefill, random_ids
 from tests.test_press_options import compressed_cache, full_context, tokens
@@ -85,17 +86,21 @@ class RecordsEveryLayer(CompressKVPress):
         return self._scoring_all(super()._record_repeat, *args)
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("preset", [None, "balanced"])
-def test_a_whole_layer_records_only_what_another_reads_and_the_cache_is_unchanged(preset, monkeypatch):
+def test_a_whole_layer_records_only_what_another_reads_and_the_cache_is_unchanged(preset, padded, monkeypatch):
     """A whole layer's rows need no scores: its prefill records no window mass and no induction prior (the
     default; balanced() keeps its novelty, which chooses the pieces its repeat pass re-reads over every layer),
     lets go of the queries its prefill attention handed over, and records no repeat-pass query. Every layer's cache
-    is bit for bit the one of the press that recorded everything (the math did not change)."""
+    is bit for bit the one of the press that recorded everything (the math did not change), one context or a
+    left-padded batch of two (each row recorded and re-read alone)."""
     from kvcompress import repeat_hooks
     from kvcompress.hf_attention import take_prefill_rows
 
     model = tiny_model("llama", num_hidden_layers=4)
-    context = tokens(CONTEXT, 11)
+    context, mask = tokens(CONTEXT, 11), None
+    if padded:
+        context, mask = pad_rows([random_ids(CONTEXT, seed=11), random_ids(CONTEXT - 57, seed=12)], "left")
     recorded, repeated = {}, []
     record_reference = CompressKVPress.record_reference
 
@@ -107,11 +112,11 @@ def test_a_whole_layer_records_only_what_another_reads_and_the_cache_is_unchange
     record_repeat = repeat_hooks.record_repeat
     monkeypatch.setattr(repeat_hooks, "record_repeat", lambda module, *a: (repeated.append(module.layer_idx),
                                                                            record_repeat(module, *a)))  # fmt: skip
-    expected = compressed_cache(model, press(preset, full_layers=(1,), cls=RecordsEveryLayer), context)
+    expected = prefill(model, press(preset, full_layers=(1,), cls=RecordsEveryLayer), context, mask)
     assert 1 in repeated if preset else not repeated
     repeated.clear()
     monkeypatch.setattr(CompressKVPress, "record_reference", spy)
-    got = compressed_cache(model, press(preset, full_layers=(1,)), context)
+    got = prefill(model, press(preset, full_layers=(1,)), context, mask)
     assert set(recorded[1].mass) == ({"novelty"} if preset else set()) and not recorded[1].queries
     assert set(recorded[0].mass) == {"window", "novelty", "induction"} | ({"repeat"} if preset else set())
     assert 1 not in repeated and (sorted(set(repeated)) == [0, 2, 3] if preset else not repeated)
