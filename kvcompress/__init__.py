@@ -20,10 +20,14 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # The presses import kvpress and transformers; the tensor API does not need them.
-    if name in ("CompressKVPress", "UniformPress"):
+    if name == "CompressKVPress":
         from kvcompress import presses
 
-        return getattr(presses, name)
+        return presses.CompressKVPress
+    if name == "UniformPress":
+        from kvcompress import uniform_press
+
+        return uniform_press.UniformPress
     if name == "StaticWeightedCache":
         from kvcompress import static_cache
 
