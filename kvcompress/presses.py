@@ -14,7 +14,6 @@ import torch
 
 from kvcompress._checks import check_choice, check_int_range, check_layer_list, check_number
 from kvcompress.calibration import layers_at
-from kvcompress.hf_attention import take_prefill_rows
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
 from kvcompress.press_guards import check_layer_options
 from kvcompress.reference import (
@@ -254,7 +253,6 @@ class CompressKVPress(WeightedSubsetPress):
     def record_reference(self, module, kwargs, keys, values) -> LayerReference:
         sources = self.reference_sources()
         if not self.scores_layer(module.layer_idx, keys.shape[-2]):  # kept whole: no rows to score or fit
-            take_prefill_rows(module.layer_idx)  # let go of what the prefill's attention handed over for it
             # but balanced()'s repeat pass re-reads the pieces most novel over every layer, this one included
             sources = ("novelty",) if "novelty" in sources and self.repeat_reads_references() else ()
         elif self.selection == "rpnys":

@@ -38,7 +38,7 @@ from transformers.utils import logging as hf_logging
 from kvcompress._checks import check_compression_ratio, check_int_range
 from kvcompress.cache import WeightedLayer, check_cache, empty_cache_restorer, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
-from kvcompress.hf_attention import handing_over_prefill_rows, use_weighted_attention
+from kvcompress.hf_attention import handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
 from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
 from kvcompress.press_guards import (
     check_supported_model,
@@ -355,6 +355,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
                 )  # fmt: skip
                 for b, index in enumerate(rows)
             ]
+        take_prefill_rows(module.layer_idx)  # what the prefill's attention handed over and no recording took goes now
         state = dict(module=module, references=references, plans=plans, rows=rows, tokens=n)
         if "repeat" in self.reference_sources():
             self._pending[module.layer_idx] = state

@@ -102,12 +102,16 @@ def test_a_whole_layer_records_only_what_another_reads_and_the_cache_is_unchange
     if padded:
         context, mask = pad_rows([random_ids(CONTEXT, seed=11), random_ids(CONTEXT - 57, seed=12)], "left")
     recorded, repeated = {}, []
-    record_reference = CompressKVPress.record_reference
+    record_reference, forward_hook = CompressKVPress.record_reference, CompressKVPress.forward_hook
 
     def spy(self, module, *args):
         recorded[module.layer_idx] = reference = record_reference(self, module, *args)
-        assert take_prefill_rows(module.layer_idx) is None  # nothing handed over is left behind
         return reference
+
+    def hook_spy(self, module, *args):
+        output = forward_hook(self, module, *args)
+        assert take_prefill_rows(module.layer_idx) is None  # nothing handed over is left behind
+        return output
 
     record_repeat = repeat_hooks.record_repeat
     monkeypatch.setattr(repeat_hooks, "record_repeat", lambda module, *a: (repeated.append(module.layer_idx),
@@ -116,6 +120,7 @@ def test_a_whole_layer_records_only_what_another_reads_and_the_cache_is_unchange
     assert 1 in repeated if preset else not repeated
     repeated.clear()
     monkeypatch.setattr(CompressKVPress, "record_reference", spy)
+    monkeypatch.setattr(CompressKVPress, "forward_hook", hook_spy)
     got = prefill(model, press(preset, full_layers=(1,)), context, mask)
     assert set(recorded[1].mass) == ({"novelty"} if preset else set()) and not recorded[1].queries
     assert set(recorded[0].mass) == {"window", "novelty", "induction"} | ({"repeat"} if preset else set())
