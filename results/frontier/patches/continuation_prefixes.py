@@ -1,6 +1,7 @@
 """Pilot (not part of the library): the continuation study with each row's KL also over the first 128 and 256
 tokens of its continuation (``kl_128``, ``kl_256``), so that one run with ``--continuation-tokens 512`` pairs each
-context's short-continuation KL with its long one. ``kl`` stays the mean over the whole continuation.
+context's short-continuation KL with its long one, and its mean KL per stretch of ``BIN`` tokens (``kl_bins``).
+``kl`` stays the mean over the whole continuation.
 
     python results/frontier/patches/continuation_prefixes.py fidelity --continuation-tokens 512 ...
 """
@@ -12,7 +13,8 @@ from _pilot import run
 import kvcompress.fidelity.measure as measure
 
 PREFIXES = (128, 256)
-_last: dict[str, float] = {}
+BIN = 32
+_last: dict = {}
 continuation_kl, make_row = measure.continuation_kl, measure._row
 
 
@@ -20,11 +22,13 @@ def prefix_kl(exact: torch.Tensor, approx: torch.Tensor) -> float:
     per_token = torch.sum(exact.exp() * (exact - approx), dim=-1)
     _last.clear()
     _last.update({f"kl_{c}": per_token[:c].mean().item() for c in PREFIXES})
+    _last["kl_bins"] = [part.mean().item() for part in per_token.split(BIN)]
     return continuation_kl(exact, approx)
 
 
 def row_with_prefixes(ctx, kl, *args, **kwargs) -> dict:
     prefixes = {f"kl_{c}": 0.0 for c in PREFIXES} if kl == 0.0 else dict(_last)  # the exact cache's own row
+    prefixes.setdefault("kl_bins", [])
     return {**make_row(ctx, kl, *args, **kwargs), **prefixes}
 
 
