@@ -16,7 +16,7 @@ from pathlib import Path
 BIN = 32  # the patch's stretch
 
 
-def per_token(row: dict) -> dict[str, float]:
+def per_stretch(row: dict) -> dict[str, float]:
     """Mean KL over tokens 1-128, 1-256, 1-512, and over 129-256 and 257-512 alone; with ``kl_bins`` also over
     tokens 1-32, 33-128 and 129-512."""
     first, second, whole = row["kl_128"], row["kl_256"], row["kl"]
@@ -37,7 +37,7 @@ def main(argv: list[str], resamples: int = 2000) -> None:
         for line in (Path(run) / "runs.jsonl").read_text().splitlines():
             row = json.loads(line)
             rows.setdefault(row["context"], {})[row["press"]] = row
-        contexts += [(f"{name} ({run})", per_token(r[press]), per_token(r[baseline])) for name, r in rows.items()]
+        contexts += [(f"{name} ({run})", per_stretch(r[press]), per_stretch(r[baseline])) for name, r in rows.items()]
         bins += [(r[press].get("kl_bins"), r[baseline].get("kl_bins")) for r in rows.values()]
     rng = random.Random(0)
     print(f"{len(contexts)} contexts; stretch: {press} KL, {baseline} KL, ratio of means [95%], above {bound}x, "

@@ -9,15 +9,7 @@ import random
 import statistics
 import sys
 
-from eval.ruler_paired import example_scores
-
-
-def pooled(runs: str, method: str, answers: dict) -> dict[str, dict[str, float]]:
-    scores: dict[str, dict[str, float]] = {}
-    for run in runs.split(","):
-        for task, rows in example_scores(run, method, answers).items():
-            scores.setdefault(task, {}).update(rows)
-    return scores
+from eval.ruler_paired import pooled_scores
 
 
 def averages(sample: dict[str, list[tuple[float, ...]]]) -> list[float]:
@@ -27,7 +19,7 @@ def averages(sample: dict[str, list[tuple[float, ...]]]) -> list[float]:
 
 def main(argv: list[str], resamples: int = 2000) -> None:
     answers: dict = {}
-    full, press, baseline = (pooled(argv[i], argv[i + 1], answers) for i in (0, 2, 4))
+    full, press, baseline = (pooled_scores(argv[i].split(","), argv[i + 1], answers) for i in (0, 2, 4))
     sample = {t: [(full[t][k], press[t][k], baseline[t][k]) for k in full[t] if k in press[t] and k in baseline[t]]
               for t in sorted(full)}  # fmt: skip
 

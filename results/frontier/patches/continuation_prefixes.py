@@ -27,8 +27,9 @@ def prefix_kl(exact: torch.Tensor, approx: torch.Tensor) -> float:
 
 
 def row_with_prefixes(ctx, kl, *args, **kwargs) -> dict:
-    prefixes = {f"kl_{c}": 0.0 for c in PREFIXES} if kl == 0.0 else dict(_last)  # the exact cache's own row
-    prefixes.setdefault("kl_bins", [])
+    """The row with the KL parts of its own ``prefix_kl`` call (none: the exact cache's row, which makes none)."""
+    prefixes = dict(_last) or {**{f"kl_{c}": 0.0 for c in PREFIXES}, "kl_bins": []}
+    _last.clear()
     return {**make_row(ctx, kl, *args, **kwargs), **prefixes}
 
 
