@@ -25,7 +25,11 @@ def per_stretch(row: dict) -> dict[str, float]:
     }  # fmt: skip
     bins = row.get("kl_bins")
     if bins:
-        out.update({"1-32": bins[0], "33-128": statistics.mean(bins[1:4]), "129-512": statistics.mean(bins[4:])})
+        one, upto128 = 32 // BIN, 128 // BIN
+        out.update({
+            "1-32": statistics.mean(bins[:one]), "33-128": statistics.mean(bins[one:upto128]),
+            "129-512": statistics.mean(bins[upto128:]),
+        })  # fmt: skip
     return out
 
 
