@@ -7,15 +7,17 @@ One ``kvcompress.weighted_attention`` call per (context length, new tokens, back
 positive (fitted masses), so FlexAttention applies; the clip range is on.
 
 Backends (``--backends``): ``triton`` (the split-K kernel through ``kvcompress.kernels.weighted_prefill``),
-``torch`` (the reference, which builds the whole logits tensor) and ``flex`` (torch FlexAttention with a
-``log w`` score bias; compiled on CUDA, so its first calls compile). ``--tiles RxN[xW] ...`` adds one Triton row per
+``torch`` (the reference, which builds the whole logits tensor), ``sdpa`` (the weight as one more value column of
+torch's fused sdpa: what ``auto`` runs on CPU from ``kvcompress.attention.SDPA_MIN_QUERIES`` queries on; not in the
+default list) and ``flex`` (torch FlexAttention with a ``log w`` score bias; compiled on CUDA, so its first calls
+compile). ``--tiles RxN[xW] ...`` adds one Triton row per
 tile (``triton RxNxW``: ``R`` rows and ``N`` keys a program, ``W`` warps, else the launcher's), the kernel's launcher
 called with them, to A/B tile choices (register spills: ``python -m eval.compile_kernels``). Each row: median and
 min over ``--repeats`` calls after ``--warmup`` calls, timed with CUDA events; a buffer larger than L2 is zeroed
 before every timed call so K/V never come from cache. Also per row: the relative error against the
 reference (``||out - ref|| / ||ref||``), the visible-pair FLOPs (QK^T and PV) per second and the floor
-bytes (K, V, w read once, q and out) per second. ``--device cpu`` runs tiny sizes with a host clock: a
-smoke test, not a measurement.
+bytes (K, V, w read once, q and out) per second. ``--device cpu`` times with a host clock: at tiny sizes with
+Triton's interpreter a smoke test, and ``--backends torch sdpa`` the two CPU paths against each other.
 
 Run from the repository root: ``python -m eval.bench_weighted_prefill [--output results/...json]``.
 """
@@ -193,7 +195,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--backends", nargs="+", choices=("triton", "torch", "flex"), default=["triton", "torch", "flex"])
+    backends = ("triton", "torch", "sdpa", "flex")
+    p.add_argument("--backends", nargs="+", choices=backends, default=["triton", "torch", "flex"])
     p.add_argument("--tiles", nargs="+", default=[], metavar="RxN[xW]",
                    help="extra Triton rows with these tiles: rows and keys a program (powers of two >= 16), warps")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (flex compiles here on CUDA)")

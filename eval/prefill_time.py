@@ -8,6 +8,12 @@ first prose context of ``--tokens`` tokens. ``--also`` runs more presses in turn
 line reports wall and CPU seconds (CPU time is the steadier figure on a shared machine) and, on Linux, the
 process's peak resident memory during the prefill, whole and above what was resident before it (the model's
 weights, the tokenizer, the interpreter); the compressed cache is still held at the peak's reading.
+
+``--question-tokens Q`` then feeds the source's next ``Q`` tokens over each cache in one forward (a long question or
+chat turn after the context: what the compressed cache's weighted attention runs with many queries at once) and
+reports its wall and CPU seconds and its own peak above what was resident before it. ``--weighted-reference`` runs
+every weighted attention call through the PyTorch reference (the CPU path before sdpa's fused kernel took calls of
+``kvcompress.attention.SDPA_MIN_QUERIES`` queries or more), to time the two paths against each other.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
 import torch
 from transformers import pipeline
 
+import kvcompress.attention
 from eval.speed.clock import Clock
 from kvcompress._checks import int_flag, number_flag
 from kvcompress.fidelity.contexts import build_contexts
@@ -38,14 +45,22 @@ def main(argv: list[str] | None = None) -> None:
         "--also", nargs="+", default=[], help="more press specs, run in turn after --press in the same process"
     )
     parser.add_argument("--threads", type=int_flag(1), help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--question-tokens", type=int_flag(1), help="after each prefill, one forward of the next Q tokens (>= 1)"
+    )
+    parser.add_argument(
+        "--weighted-reference", action="store_true", help="weighted attention through the PyTorch reference only"
+    )
     args = parser.parse_args(argv)
+    if args.weighted_reference:
+        kvcompress.attention.SDPA_MIN_QUERIES = 2**62  # every call below it: the reference
     spec = None if args.press == "none" else parse_spec(args.press)
     others = [parse_spec(name) for name in args.also]
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    context = build_contexts(pipe, ["prose"], [args.tokens], seeds=1, continuation=1)[0]
+    context = build_contexts(pipe, ["prose"], [args.tokens], seeds=1, continuation=args.question_tokens or 1)[0]
     if spec is None:
         return
     clock = Clock(torch.device("cpu"))
@@ -58,13 +73,28 @@ def main(argv: list[str] | None = None) -> None:
             cache, seconds = prefill(model, press, context.ids)[:2]
             cpu = time.process_time() - cpu
             peak = clock.memory_peak_gib()
-            del cache
             memory = "" if peak is None else f", peak resident {peak:.3f} GiB (+{peak - before:.3f} GiB)"
+            question = "" if args.question_tokens is None else _time_question(model, cache, context, clock)
+            del cache
             print(
                 f"{press_spec.label} kept={args.kept} tokens={context.ids.shape[1]} round {i}: "
-                f"prefill {seconds:.3f} s wall, {cpu:.3f} s CPU{memory}",
+                f"prefill {seconds:.3f} s wall, {cpu:.3f} s CPU{memory}{question}",
                 flush=True,
             )
+
+
+@torch.no_grad()
+def _time_question(model, cache, context, clock: Clock) -> str:
+    """One forward of the context's continuation over ``cache`` (which it extends): its report clause."""
+    tokens = context.continuation.to(model.device)
+    clock.memory_reset()
+    before = clock.memory_peak_gib()
+    cpu, start = time.process_time(), time.perf_counter()
+    model(input_ids=tokens, past_key_values=cache, logits_to_keep=1)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    peak = clock.memory_peak_gib()
+    memory = "" if peak is None else f", peak +{peak - before:.3f} GiB"
+    return f"; question of {tokens.shape[1]} tokens {seconds:.3f} s wall, {cpu:.3f} s CPU{memory}"
 
 
 if __name__ == "__main__":

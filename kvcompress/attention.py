@@ -10,7 +10,11 @@ from kvcompress._checks import BACKENDS as _BASE_BACKENDS
 from kvcompress._checks import check_backend, check_float_tensor, check_fold_from, check_int_range, check_positive
 from kvcompress._checks import check_finite as _check_finite
 
-BACKENDS = (*_BASE_BACKENDS, "flex")  # weighted_attention's backends
+BACKENDS = (*_BASE_BACKENDS, "sdpa", "flex")  # weighted_attention's backends
+# From this many new tokens a CPU call runs Alg. 3 through sdpa's fused kernel (_weighted_attention_sdpa), below it
+# the reference: the crossover measured on the embedded model's shapes (docs/BENCHMARKS.md, "Long questions over a
+# compressed cache on CPU").
+SDPA_MIN_QUERIES = 16
 
 
 def weighted_attention(
@@ -38,7 +42,9 @@ def weighted_attention(
     filler rows of a compressed cache); combined with ``causal_offset``. A query that sees no key gets 0.
     Accumulates in float32 (float64 for float64 inputs); returns ``values.dtype``, ``[b, h_q, m, d_v]``.
 
-    ``backend``: ``"torch"`` (the PyTorch reference, which builds the whole logits tensor); ``"triton"``
+    ``backend``: ``"torch"`` (the PyTorch reference, which builds the whole logits tensor); ``"sdpa"`` (the
+    weight as one more value column of torch's ``scaled_dot_product_attention``, whose fused kernel never builds
+    the logits: on CPU FlashAttention-2's, about as fast as sdpa over the same keys; any device); ``"triton"``
     (the FlashAttention-2 style split-K Triton kernel of ``kvcompress.kernels.weighted_decode``, with decode
     tiles for 1..16 new tokens and through ``kvcompress.kernels.weighted_prefill`` for more; CUDA tensors, or
     CPU tensors under ``TRITON_INTERPRET=1``; float16/bfloat16/float32, head dims multiples of 16 up to 256; raises
@@ -125,7 +131,10 @@ def weighted_attention(
         if kernel is not None:
             return kernel(queries, keys, values, weights, **kwargs, fold_from=fold_from)
     v_min, v_max = _folded_for_torch(v_min, v_max, values, fold_from, key_mask)
-    return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
+    if backend == "sdpa":
+        return _weighted_attention_sdpa(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
+    reference = _weighted_attention_torch if backend == "torch" else weighted_attention_without_triton
+    return reference(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
 
 
 def weighted_attention_unchecked(
@@ -151,6 +160,27 @@ def weighted_attention_unchecked(
             return kernel(queries, keys, values, weights, scaling=scaling, v_min=v_min, v_max=v_max,
                           causal_offset=causal_offset, key_mask=key_mask, check=False, fold_from=fold_from)  # fmt: skip
     v_min, v_max = _folded_for_torch(v_min, v_max, values, fold_from, key_mask)
+    return weighted_attention_without_triton(
+        queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask
+    )
+
+
+def weighted_attention_without_triton(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    scaling: float,
+    v_min: torch.Tensor | None,
+    v_max: torch.Tensor | None,
+    causal_offset: int | torch.Tensor | None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Validated inputs where no Triton kernel runs them: on CPU from ``SDPA_MIN_QUERIES`` queries on sdpa's fused
+    kernel (:func:`_weighted_attention_sdpa`), else the reference (:func:`_weighted_attention_torch`, the leaner
+    of the two for a decode step's few queries)."""
+    if queries.device.type == "cpu" and queries.shape[2] >= SDPA_MIN_QUERIES:
+        return _weighted_attention_sdpa(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
 
 
@@ -270,6 +300,52 @@ def _weighted_attention_torch(
     if low is not None or high is not None:
         out = torch.clamp(out, low, high)
     return out.reshape(batch, heads_q, m, d_v).to(values.dtype)
+
+
+def _weighted_attention_sdpa(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    scaling: float,
+    v_min: torch.Tensor | None,
+    v_max: torch.Tensor | None,
+    causal_offset: int | torch.Tensor | None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Alg. 3 through one call of ``scaled_dot_product_attention``, whose fused kernels never build the ``m x n``
+    logits: with ``p = softmax(s)`` over the visible keys, ``sum e^s v / sum e^s w = (sum p v) / (sum p w)``, so
+    the weight rides as one more value column and the output is the ratio of the two averages (0 where the
+    denominator is <= 0 or no key is visible). The queries and keys get zero columns up to the values' width (a
+    dot product unchanged) because the fused kernels take one head dim. Inputs, output and math dtype as
+    :func:`_weighted_attention_torch` (float32 for 16-bit inputs)."""
+    batch, heads_q, m, dim = queries.shape
+    heads_kv, n, d_v = keys.shape[1], keys.shape[2], values.shape[-1]
+    compute = torch.float64 if torch.float64 in (queries.dtype, weights.dtype) else torch.float32
+    width = max(dim, d_v + 1)
+    q = torch.nn.functional.pad(_as(queries, compute), (0, width - dim))
+    k = torch.nn.functional.pad(_as(keys, compute), (0, width - dim))
+    v = torch.nn.functional.pad(torch.cat((_as(values, compute), _as(weights, compute)[..., None]), -1),
+                                (0, width - d_v - 1))  # fmt: skip
+    visible = None
+    if isinstance(causal_offset, torch.Tensor) or (causal_offset is not None and causal_offset < n - 1):
+        offset = causal_offset.view(-1, 1, 1, 1) if isinstance(causal_offset, torch.Tensor) else causal_offset
+        rows = torch.arange(m, device=queries.device)[:, None]
+        visible = torch.arange(n, device=queries.device)[None, :] <= offset + rows  # [m, n] or [b, 1, m, n]
+    if key_mask is not None:
+        shown = key_mask[:, None, None, :]
+        visible = shown if visible is None else visible & shown
+    averages = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible, scale=scaling, enable_gqa=heads_q != heads_kv
+    )
+    numerator, denominator = averages[..., :d_v], averages[..., d_v : d_v + 1]
+    positive = denominator > 0  # False where no key is visible (the fused kernels give 0 there, the math one NaN)
+    out = torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
+    if v_min is not None or v_max is not None:  # each KV head's range over its group of query heads
+        low = None if v_min is None else _as(v_min, compute).unsqueeze(2)
+        high = None if v_max is None else _as(v_max, compute).unsqueeze(2)
+        out = torch.clamp(out.reshape(batch, heads_kv, -1, d_v), low, high).reshape(batch, heads_q, m, d_v)
+    return out.to(values.dtype)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

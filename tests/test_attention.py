@@ -140,7 +140,7 @@ def test_bad_input_names_the_parameter(change, kwargs, name):
         weighted_attention(*change(*_good()), **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["torch", "flex"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "flex"])
 @pytest.mark.parametrize("empty", ["batch", "heads", "queries"])
 def test_no_query_gives_an_empty_output(backend, empty):
     q, k, v, w = random_inputs(2, 4, 2, 3, 9, 8, seed=3)
@@ -256,3 +256,73 @@ def test_merging_partial_attentions_is_the_attention_over_all_keys(base2, dtype,
     out[1] = torch.full_like(out[1], math.nan)
     again = merge_partial_attentions(torch.stack(lse).to(dtype), torch.stack(out).to(dtype), base2=base2)[1]
     assert torch.equal(again, merged_out)
+
+
+# The sdpa backend (the weight as one more value column of sdpa's fused kernel): what "auto" runs on CPU from
+# SDPA_MIN_QUERIES queries on (a question or a chat turn after a compressed context).
+
+
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (6, 2), (7, 1)])
+@pytest.mark.parametrize("offset", [None, 0, 9, 23, 40])  # 23 = n - m: the new rows' own causal rule; 40 past n
+def test_sdpa_backend_matches_naive_loop(heads_q, heads_kv, offset):
+    """Negative weights, a head whose denominator is < 0 everywhere, padding and filler keys, a query that sees no
+    key (row 0 is masked up to key 4: offset 0 hides the rest from its first query), both clip bounds."""
+    m, n = 17, 40
+    q, k, v, w = random_inputs(3, heads_q, heads_kv, m, n, 8, dtype=torch.float64, seed=heads_q + (offset or 1))
+    w[1, 0] = -torch.rand(n, dtype=torch.float64) - 0.1
+    mask = random_key_mask(3, n, seed=5)
+    mask[0, :5] = False
+    gen = torch.Generator().manual_seed(6)
+    v_min = -0.4 - torch.rand(3, heads_kv, 8, generator=gen, dtype=torch.float64)
+    v_max = 0.4 + torch.rand(3, heads_kv, 8, generator=gen, dtype=torch.float64)
+    kwargs = dict(causal_offset=offset, key_mask=mask, v_min=v_min, v_max=v_max)
+    out = weighted_attention(q, k, v, w, backend="sdpa", **kwargs)
+    ref = naive_weighted_attention(q, k, v, w, 1 / math.sqrt(8), **kwargs)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    unmasked = weighted_attention(q, k, v, w, backend="sdpa", causal_offset=offset)
+    torch.testing.assert_close(unmasked, naive_weighted_attention(q, k, v, w, 1 / math.sqrt(8), causal_offset=offset),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
+
+
+def test_sdpa_backend_takes_value_and_key_widths_that_differ():
+    """The zero columns make every head dim the same whatever the widths: keys wider or narrower than values."""
+    for dim, d_v in ((16, 5), (4, 12)):
+        q, k, _, w = random_inputs(2, 4, 2, 18, 25, dim, dtype=torch.float64, seed=dim)
+        v = torch.randn(2, 2, 25, d_v, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        out = weighted_attention(q, k, v, w, scaling=0.4, causal_offset=7, backend="sdpa")
+        ref = naive_weighted_attention(q, k, v, w, 0.4, causal_offset=7)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_sdpa_backend_low_precision_inputs_accumulate_in_fp32(dtype, tol):
+    """As the reference: float32 math for 16-bit inputs, so the error is one rounding of the output to the dtype
+    (2^-9 relative for bfloat16, 2^-12 for float16) plus float32's over 700 keys; tolerances as the reference's."""
+    q, k, v, w = random_inputs(2, 8, 2, 20, 700, 64, dtype=dtype, seed=2)
+    w = w.abs() + 0.05
+    k = k * 8  # large logits: exp must not overflow in low precision
+    out = weighted_attention(q, k, v, w, causal_offset=680, backend="sdpa")
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    ref = weighted_attention(q.double(), k.double(), v.double(), w.double(), causal_offset=680, backend="torch")
+    assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+def test_cpu_auto_runs_sdpa_from_the_threshold_and_per_row_offsets_agree(monkeypatch):
+    """``weighted_attention_unchecked`` (what the attention function calls) picks the sdpa path on CPU from
+    SDPA_MIN_QUERIES queries on and the reference below; a ``[b]`` tensor of causal offsets (a decode batch's) gives
+    each row what its own int offset gives."""
+    from kvcompress import attention
+
+    calls = []
+    sdpa = attention._weighted_attention_sdpa
+    monkeypatch.setattr(attention, "_weighted_attention_sdpa", lambda *a: calls.append(a[0].shape[2]) or sdpa(*a))
+    for m in (attention.SDPA_MIN_QUERIES - 1, attention.SDPA_MIN_QUERIES):
+        q, k, v, w = random_inputs(2, 6, 2, m, 30, 8, dtype=torch.float64, seed=m)
+        offsets = torch.tensor([30 - m, 4])
+        out = attention.weighted_attention_unchecked(q, k, v, w, scaling=0.3, causal_offset=offsets)
+        for row, offset in enumerate(offsets.tolist()):
+            ref = naive_weighted_attention(q[row : row + 1], k[row : row + 1], v[row : row + 1], w[row : row + 1], 0.3,
+                                           causal_offset=offset)  # fmt: skip
+            torch.testing.assert_close(out[row : row + 1], ref, rtol=1e-12, atol=1e-12)
+    assert calls == [attention.SDPA_MIN_QUERIES]

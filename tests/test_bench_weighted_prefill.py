@@ -18,13 +18,13 @@ TINY = [
 
 def test_smoke_run_reports_every_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     output = tmp_path / "bench.json"
-    assert bench.main([*TINY, "--output", str(output)]) == 0
+    assert bench.main([*TINY, "--backends", "triton", "torch", "sdpa", "flex", "--output", str(output)]) == 0
     printed = capsys.readouterr().out
     assert "median ms" in printed and f"wrote {output}" in printed
     data = json.loads(output.read_text())
     rows = data["rows"]
     assert {(r["new_tokens"], r["backend"]) for r in rows} == {
-        (m, b) for m in (17, 40) for b in ("triton", "torch", "flex")
+        (m, b) for m in (17, 40) for b in ("triton", "torch", "sdpa", "flex")
     }
     for row in rows:
         assert "error" not in row, row

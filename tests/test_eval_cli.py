@@ -39,6 +39,7 @@ def test_approx_error_rejects_unknown_method(tmp_path):
         ("prefill_time", ["--threads", "-1"], "argument --threads: must be an int >= 1, got '-1'"),
         ("prefill_time", ["--tokens", "0"], "argument --tokens: must be an int >= 64, got '0'"),
         ("prefill_time", ["--kept", "0"], "argument --kept: must be a finite number in (0, 1], got '0'"),
+        ("prefill_time", ["--question-tokens", "0"], "argument --question-tokens: must be an int >= 1, got '0'"),
         ("serve_load", ["--time-limit", "nan"], "argument --time-limit: must be a finite number in (0, inf)"),
         ("fidelity", ["--resamples", "0"], "fidelity: resamples: must be an int >= 1, got 0"),
         ("fidelity", ["--threads", "-1"], "fidelity: threads: must be an int >= 1, got -1"),

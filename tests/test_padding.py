@@ -64,9 +64,9 @@ def answer(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, question:
     return out.sequences[:, full.shape[1] :], torch.stack(out.logits, 1)
 
 
-def alone_and_batched(model, make_press, side: str, lengths=LENGTHS):
+def alone_and_batched(model, make_press, side: str, lengths=LENGTHS, question_tokens: int = QUESTION):
     contexts = [random_ids(n, seed=n) for n in lengths]
-    question = random_ids(QUESTION, seed=99)
+    question = random_ids(question_tokens, seed=99)
     alone = []
     for context in contexts:
         cache = prefill(model, make_press(), context)
@@ -94,6 +94,28 @@ def test_each_padded_row_matches_the_row_alone(family, name, side):
             assert isinstance(layer, WeightedLayer)
             kept = int(layer.row_valid[b].sum())
             assert kept == row_layer.context_rows == budget  # short rows too: exactly the budget
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_long_question_on_the_fused_cpu_path_matches_the_reference_row_by_row(side, monkeypatch):
+    """A question of SDPA_MIN_QUERIES tokens or more (a chat turn after a compressed context) runs Alg. 3 through
+    sdpa's fused kernel on CPU: each padded row's tokens and logits equal the row's alone through the reference."""
+    from kvcompress import attention
+
+    model = tiny_model("llama")
+    question_tokens = 2 * attention.SDPA_MIN_QUERIES
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "SDPA_MIN_QUERIES", 10**9)  # the reference for every call
+        alone, _, _ = alone_and_batched(model, PRESSES["default"], side, question_tokens=question_tokens)
+    calls = []
+    sdpa = attention._weighted_attention_sdpa
+    monkeypatch.setattr(attention, "_weighted_attention_sdpa", lambda *a: calls.append(a[0].shape[2]) or sdpa(*a))
+    _, (tokens, logits), _ = alone_and_batched(model, PRESSES["default"], side, question_tokens=question_tokens)
+    assert calls == [question_tokens] * 4 * len(model.model.layers)  # each question (3 alone, 1 batch), every layer
+    for b, ((row_tokens, row_logits), _) in enumerate(alone):
+        steps = row_tokens.shape[1]  # a row alone stops at its end-of-sequence token, the batch pads after it
+        assert torch.equal(tokens[b : b + 1, :steps], row_tokens), (b, tokens[b], row_tokens[0])
+        torch.testing.assert_close(logits[b : b + 1, :steps], row_logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["thorough", "novel-repeat"])
