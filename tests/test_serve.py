@@ -765,3 +765,41 @@ def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(
             snap.shutdown()
     finally:
         engine.shutdown()
+
+
+def test_blank_line_chat_context_splits_a_one_part_message_as_two_parts_would(embedded_dir):
+    """``--chat-context blank-line``: a one-part last message splits after its last blank line, exactly as the same
+    text sent as two parts; without a blank line, or with nothing after it, it stays all question, as by default."""
+    from transformers import AutoTokenizer
+
+    from kvcompress.serve.protocol import Message, chat_split
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    document, question = "First passage.\n\nSecond passage.\n\n", "What comes second?"
+    one = [Message(role="system", content="Be brief."), Message(role="user", content=document + question)]
+    two = [one[0], Message(role="user", content=[{"type": "text", "text": text} for text in (document, question)])]
+    context, asked = chat_split(tokenizer, one, "blank-line")
+    assert (context, asked) == chat_split(tokenizer, two) and len(context) > len(chat_split(tokenizer, one)[0])
+    assert tokenizer.decode(asked).startswith(question)
+    for text in ("No blank line here. What comes second?", document):
+        plain = [Message(role="user", content=text)]
+        assert chat_split(tokenizer, plain, "blank-line") == chat_split(tokenizer, plain)
+    assert chat_split(tokenizer, two, "blank-line") == chat_split(tokenizer, two)  # parts already split it
+    with pytest.raises(ValueError, match="chat context mode: choose from parts, blank-line, got 'lines'"):
+        chat_split(tokenizer, one, "lines")
+
+
+@pytest.mark.slow
+def test_a_blank_line_server_compresses_a_one_part_message_and_answers_as_the_pipeline(pipe, tmp_path):
+    """A real server with ``--chat-context blank-line``: a document and its question in one string are prefilled and
+    compressed as a context (the default server would prefill it all as an uncompressed question), and the answer is
+    the pipeline's for the document through its last blank line and the question after it."""
+    document, question = contexts(1)[0].rstrip() + "\n\n", QUESTIONS[0].strip()
+    expected = pipeline_answers(pipe, document, [question], max_new_tokens=12)[0]
+    with running_server(["--chat-context", "blank-line", "--log-level", "warning"], tmp_path / "server.log") as base:
+        reply = client(base).chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12,
+                                                     messages=[{"role": "user", "content": document + question}])
+        assert reply.choices[0].message.content == expected
+        assert metric(base, "kvcompress_prefills_total") == 1
+        resident = metric(base, "kvcompress_cache_resident_bytes")
+        assert 0 < resident < 0.35 * metric(base, "kvcompress_cache_uncompressed_bytes")  # stored at 25% kept

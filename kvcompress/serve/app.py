@@ -28,7 +28,9 @@ from kvcompress.serve.protocol import (
 log = logging.getLogger("kvcompress.serve")
 
 
-def create_app(engine: Engine, served_model: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, served_model: str, api_key: str | None = None, chat_context: str = "parts") -> FastAPI:
+    """The OpenAI-compatible routes over ``engine``; ``chat_context``: how a chat's last user message splits into
+    compressed context and question (:func:`kvcompress.serve.protocol.chat_split`'s ``mode``)."""
     app = FastAPI(title="kvcompress", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = engine.metrics
     created = int(time.time())
@@ -213,7 +215,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await read(request, ChatRequest)
-        context_ids, question_ids = chat_split(engine.tokenizer, req.messages)
+        context_ids, question_ids = chat_split(engine.tokenizer, req.messages, chat_context)
         return await respond(request, req, make_jobs(req, context_ids, question_ids, "messages"), "chat")
 
     @app.post("/v1/completions")

@@ -17,6 +17,7 @@ EPILOG = """example:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcompress.serve.protocol import CHAT_CONTEXT_MODES
     from kvcompress.serve.step import COMPILE_BACKENDS
 
     p = argparse.ArgumentParser(
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "of small batches), cudagraphs (CUDA only: CUDA graphs without inductor, compiles in "
                         "seconds), eager (the capture alone, a check). Compiled at start, seconds to minutes, "
                         "while /health answers 503; off: eager steps (default off)")
+    p.add_argument("--chat-context", default="parts", choices=CHAT_CONTEXT_MODES,
+                   help="which part of a chat's last user message is compressed context: parts (kvpress's pipeline: "
+                        "all text parts but the last; a one-part message is all question, never compressed) or "
+                        "blank-line (also a one-part message: its text through its last blank line, as "
+                        "/v1/completions splits a prompt; for clients that send the document and the question in "
+                        "one string) (default parts)")
     p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -199,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue,
                     max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                     decode_per_prefill=args.decode_per_prefill, compile_decode=args.compile_decode)
-    app = create_app(engine, served, api_key=args.api_key)
+    app = create_app(engine, served, api_key=args.api_key, chat_context=args.chat_context)
     logging.getLogger("kvcompress.serve").info(
         "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g, "
         "compiled decode %s", served, args.method, args.ratio, args.host, args.port, args.cache_memory,

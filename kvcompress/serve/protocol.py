@@ -223,17 +223,28 @@ def completion_split(text: str) -> tuple[str, str]:
     return (text[: cut + 2], text[cut + 2:]) if cut >= 0 else ("", text)
 
 
-def chat_split(tokenizer, messages: list[Message]) -> tuple[list[int], list[int]]:
+CHAT_CONTEXT_MODES = ("parts", "blank-line")  # how chat_split splits the last user message (serve --chat-context)
+
+
+def chat_split(tokenizer, messages: list[Message], mode: str = "parts") -> tuple[list[int], list[int]]:
     """(context ids, question ids) of a chat, split as kvpress's pipeline splits its chat template.
 
     The context is the rendered conversation up to the start of the last user message's text (its turn header
     included); the question is that text and what the template puts after it (end of turn, the assistant's
     header). When the last user message has several text parts, all but the last one belong to the context: a
-    document followed by a question, exactly kvpress's ``pipeline(context, question=...)``. Both parts are
-    tokenized separately without special tokens, as the pipeline does.
+    document followed by a question, exactly kvpress's ``pipeline(context, question=...)``. ``mode="blank-line"``
+    also splits a one-part message, as ``/v1/completions`` splits its prompt: its text through its last blank line
+    joins the context, the rest is the question (a message with no blank line, or nothing after its last one, stays
+    all question). Both parts are tokenized separately without special tokens, as the pipeline does.
     """
+    if mode not in CHAT_CONTEXT_MODES:
+        raise ValueError(f"chat context mode: choose from {', '.join(CHAT_CONTEXT_MODES)}, got {mode!r}")
     last = messages[-1]
     parts = [last.content] if isinstance(last.content, str) else [p.text for p in last.content]
+    if mode == "blank-line" and len(parts) == 1:
+        context_text, question_text = completion_split(parts[0])
+        if context_text and question_text:
+            parts = [context_text, question_text]
     if tokenizer.chat_template is None:  # the pipeline's rule without a template: bos + context, question + "\n"
         history = "".join(m.text() + "\n" for m in messages[:-1])
         context = (tokenizer.bos_token or "") + history + "".join(parts[:-1])
