@@ -133,7 +133,7 @@ def weighted_attention(
     v_min, v_max = _folded_for_torch(v_min, v_max, values, fold_from, key_mask)
     if backend == "sdpa":
         return _weighted_attention_sdpa(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
-    reference = _weighted_attention_torch if backend == "torch" else weighted_attention_without_triton
+    reference = _weighted_attention_torch if backend == "torch" else _weighted_attention_without_triton
     return reference(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
 
 
@@ -160,25 +160,17 @@ def weighted_attention_unchecked(
             return kernel(queries, keys, values, weights, scaling=scaling, v_min=v_min, v_max=v_max,
                           causal_offset=causal_offset, key_mask=key_mask, check=False, fold_from=fold_from)  # fmt: skip
     v_min, v_max = _folded_for_torch(v_min, v_max, values, fold_from, key_mask)
-    return weighted_attention_without_triton(
+    return _weighted_attention_without_triton(
         queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask
     )
 
 
-def weighted_attention_without_triton(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor,
-    scaling: float,
-    v_min: torch.Tensor | None,
-    v_max: torch.Tensor | None,
-    causal_offset: int | torch.Tensor | None,
-    key_mask: torch.Tensor | None = None,
+def _weighted_attention_without_triton(
+    queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask=None
 ) -> torch.Tensor:
-    """Validated inputs where no Triton kernel runs them: on CPU from ``SDPA_MIN_QUERIES`` queries on sdpa's fused
-    kernel (:func:`_weighted_attention_sdpa`), else the reference (:func:`_weighted_attention_torch`, the leaner
-    of the two for a decode step's few queries)."""
+    """:func:`_weighted_attention_torch`'s arguments where no Triton kernel runs them: on CPU from
+    ``SDPA_MIN_QUERIES`` queries on sdpa's fused kernel (:func:`_weighted_attention_sdpa`), else the reference (the
+    leaner of the two for a decode step's few queries)."""
     if queries.device.type == "cpu" and queries.shape[2] >= SDPA_MIN_QUERIES:
         return _weighted_attention_sdpa(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
     return _weighted_attention_torch(queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask)
@@ -303,22 +295,14 @@ def _weighted_attention_torch(
 
 
 def _weighted_attention_sdpa(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor,
-    scaling: float,
-    v_min: torch.Tensor | None,
-    v_max: torch.Tensor | None,
-    causal_offset: int | torch.Tensor | None,
-    key_mask: torch.Tensor | None = None,
+    queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask=None
 ) -> torch.Tensor:
     """Alg. 3 through one call of ``scaled_dot_product_attention``, whose fused kernels never build the ``m x n``
     logits: with ``p = softmax(s)`` over the visible keys, ``sum e^s v / sum e^s w = (sum p v) / (sum p w)``, so
     the weight rides as one more value column and the output is the ratio of the two averages (0 where the
     denominator is <= 0 or no key is visible). The queries and keys get zero columns up to the values' width (a
-    dot product unchanged) because the fused kernels take one head dim. Inputs, output and math dtype as
-    :func:`_weighted_attention_torch` (float32 for 16-bit inputs)."""
+    dot product unchanged) because the fused kernels take one head dim. Arguments, output and math dtype as
+    :func:`_weighted_attention_torch`'s (float32 for 16-bit inputs)."""
     batch, heads_q, m, dim = queries.shape
     heads_kv, n, d_v = keys.shape[1], keys.shape[2], values.shape[-1]
     compute = torch.float64 if torch.float64 in (queries.dtype, weights.dtype) else torch.float32

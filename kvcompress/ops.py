@@ -6,16 +6,16 @@ visibility is given on the device: ``key_mask [b, n]`` and a causal offset tenso
 batch row (query ``i`` of row ``r`` sees key ``j`` iff ``j <= c[r] + i`` and ``key_mask[r, j]``; the server's static
 decode batch gives each row its own). No host value changes per step, so one compiled graph
 (or CUDA graph) serves every step. CUDA tensors the Triton kernel supports run it (the offset is read on the
-device); anything else runs :func:`kvcompress.attention.weighted_attention_without_triton`. Inputs are model
-activations: no validation or finiteness check here (``kvcompress.weighted_attention`` is the validating entry
-point).
+device); anything else runs :func:`kvcompress.attention._weighted_attention_without_triton`. Inputs are
+model activations: no validation or finiteness check here (``kvcompress.weighted_attention`` is the validating
+entry point).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcompress.attention import _triton_kernel, weighted_attention_without_triton
+from kvcompress.attention import _triton_kernel, _weighted_attention_without_triton
 
 
 @torch.library.custom_op("kvcompress::weighted_attention_rows", mutates_args=())
@@ -48,7 +48,7 @@ def weighted_attention_rows(
                 causal_offset=causal_offset,
                 key_mask=key_mask,
             )
-    return weighted_attention_without_triton(
+    return _weighted_attention_without_triton(
         queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask
     )
 

@@ -209,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(engine, served, api_key=args.api_key, chat_context=args.chat_context)
     logging.getLogger("kvcompress.serve").info(
         "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g, "
-        "compiled decode %s", served, args.method, args.ratio, args.host, args.port, args.cache_memory,
-        args.max_batch, args.decode_per_prefill, args.compile_decode)
+        "compiled decode %s, chat context %s", served, args.method, args.ratio, args.host, args.port,
+        args.cache_memory, args.max_batch, args.decode_per_prefill, args.compile_decode, args.chat_context)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
