@@ -126,10 +126,12 @@ def test_a_causal_offset_per_batch_row_reads_no_key_past_its_row(splits, fused):
     check_close(by_mask, exact, torch.bfloat16)
     from kvcompress.attention import weighted_attention_unchecked
 
+    cpu_bounds = {name: x.cpu() for name, x in kwargs.items() if name != "scaling"}
     torch_rows = weighted_attention_unchecked(q.cpu(), k.cpu(), v.cpu(), w.cpu(), causal_offset=offsets.cpu(),
-                                              **{name: x.cpu() for name, x in kwargs.items() if name != "scaling"},
-                                              scaling=0.2)  # fmt: skip
-    assert torch.equal(torch_rows, by_mask.cpu())
+                                              **cpu_bounds, scaling=0.2)  # fmt: skip
+    by_mask_cpu = weighted_attention(q.cpu(), k.cpu(), v.cpu(), w.cpu(), causal_offset=n - 1, key_mask=visible.cpu(),
+                                     backend="torch", **cpu_bounds, scaling=0.2)  # fmt: skip
+    assert torch.equal(torch_rows, by_mask_cpu)  # both on the CPU: bit for bit is a claim about one device's path
     poisoned_k, poisoned_v = k.clone(), v.clone()
     poisoned_k[~visible[:, None, :, None].expand_as(k)] = float("nan")
     poisoned_v[~visible[:, None, :, None].expand_as(v)] = float("nan")

@@ -59,12 +59,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit sa
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NEW_TOKENS = 16  # m: one decode step, or a short chunk of new tokens (speculative / chunked prefill tail)
-# The split partials merged by the last split's program instead of a second launch (``fused_merge``): off until a
-# GPU measures it (its host saving, and its cross-program ordering compiled: the interpreter runs programs in turn).
-FUSED_MERGE = False
-# Launches through kvcompress.kernels.cached_launch (the compiled kernel kept per specialization, no per-call binding
-# by Triton): off until a GPU measures its host saving and runs the kernel tests through it compiled.
-CACHED_LAUNCH = False
+# The split partials merged by the last split's program instead of a second launch (``fused_merge``), and launches
+# through kvcompress.kernels.cached_launch (the compiled kernel kept per specialization, no per-call binding by
+# Triton): on since an H200 ran their kernel tests compiled and measured one 32k decode attention call's host time
+# 106.8 -> 55.6 us with both (device time per call 124 -> 69 us; docs/BENCHMARKS.md, "The fortieth session's GPU run").
+FUSED_MERGE = True
+CACHED_LAUNCH = True
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
