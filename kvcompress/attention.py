@@ -265,7 +265,7 @@ def _weighted_attention_torch(
     batch, heads_q, m, dim = queries.shape
     _, heads_kv, n, _ = keys.shape
     d_v = values.shape[-1]
-    compute = torch.float64 if torch.float64 in (queries.dtype, weights.dtype) else torch.float32
+    compute = _compute_dtype(queries, weights)
     group = heads_q // heads_kv
     q = _as(queries, compute).reshape(batch, heads_kv, group * m, dim)
     logits = (q @ _as(keys, compute).transpose(-1, -2)).mul_(scaling)  # [b, h_kv, g*m, n]
@@ -287,11 +287,7 @@ def _weighted_attention_torch(
     numerator = probs @ _as(values, compute)
     denominator = probs @ _as(weights, compute).unsqueeze(-1)
     out = numerator.div_(denominator).masked_fill_(denominator <= 0, 0.0)  # a denominator <= 0 gives 0 (Alg. 3)
-    low = None if v_min is None else _as(v_min, compute).unsqueeze(2)
-    high = None if v_max is None else _as(v_max, compute).unsqueeze(2)
-    if low is not None or high is not None:
-        out = torch.clamp(out, low, high)
-    return out.reshape(batch, heads_q, m, d_v).to(values.dtype)
+    return _clipped(out, v_min, v_max).reshape(batch, heads_q, m, d_v).to(values.dtype)
 
 
 def _weighted_attention_sdpa(
@@ -305,7 +301,7 @@ def _weighted_attention_sdpa(
     :func:`_weighted_attention_torch`'s (float32 for 16-bit inputs)."""
     batch, heads_q, m, dim = queries.shape
     heads_kv, n, d_v = keys.shape[1], keys.shape[2], values.shape[-1]
-    compute = torch.float64 if torch.float64 in (queries.dtype, weights.dtype) else torch.float32
+    compute = _compute_dtype(queries, weights)
     width = max(dim, d_v + 1)
     q = torch.nn.functional.pad(_as(queries, compute), (0, width - dim))
     k = torch.nn.functional.pad(_as(keys, compute), (0, width - dim))
@@ -325,11 +321,23 @@ def _weighted_attention_sdpa(
     numerator, denominator = averages[..., :d_v], averages[..., d_v : d_v + 1]
     positive = denominator > 0  # False where no key is visible (the fused kernels give 0 there, the math one NaN)
     out = torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
-    if v_min is not None or v_max is not None:  # each KV head's range over its group of query heads
-        low = None if v_min is None else _as(v_min, compute).unsqueeze(2)
-        high = None if v_max is None else _as(v_max, compute).unsqueeze(2)
-        out = torch.clamp(out.reshape(batch, heads_kv, -1, d_v), low, high).reshape(batch, heads_q, m, d_v)
-    return out.to(values.dtype)
+    grouped = out.reshape(batch, heads_kv, -1, d_v)  # each KV head's group of query heads, as the reference's rows
+    return _clipped(grouped, v_min, v_max).reshape(batch, heads_q, m, d_v).to(values.dtype)
+
+
+def _compute_dtype(queries: torch.Tensor, weights: torch.Tensor) -> torch.dtype:
+    """The math dtype of both PyTorch paths: float64 if the queries or the weights are, else float32."""
+    return torch.float64 if torch.float64 in (queries.dtype, weights.dtype) else torch.float32
+
+
+def _clipped(out: torch.Tensor, v_min: torch.Tensor | None, v_max: torch.Tensor | None) -> torch.Tensor:
+    """``out [b, h_kv, group * m, d_v]`` clipped to each KV head's ``[b, h_kv, d_v]`` range (either bound may be
+    None), the range cast to ``out``'s dtype."""
+    if v_min is None and v_max is None:
+        return out
+    low = None if v_min is None else _as(v_min, out.dtype).unsqueeze(2)
+    high = None if v_max is None else _as(v_max, out.dtype).unsqueeze(2)
+    return torch.clamp(out, low, high)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
