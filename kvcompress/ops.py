@@ -47,6 +47,7 @@ def weighted_attention_rows(
                 v_max=v_max,
                 causal_offset=causal_offset,
                 key_mask=key_mask,
+                reuse_buffers=False,  # a compiled step's CUDA graph records this call: its buffers come from its pool
             )
     return _weighted_attention_without_triton(
         queries, keys, values, weights, scaling, v_min, v_max, causal_offset, key_mask

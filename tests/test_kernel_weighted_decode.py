@@ -190,6 +190,28 @@ def test_fused_merge_equals_the_two_launches_and_float64(dtype, m):
     assert all(not space[3].any() for space in _WORKSPACES.values())  # every counter back to zero
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_buffers_of_a_recorded_call_are_its_own(fused):
+    """``reuse_buffers=False`` (the custom op's calls, which a CUDA graph records): the same result as a call on the
+    cached buffers, bit for bit, with nothing taken from or added to the per-shape cache (a cached buffer allocated
+    while a graph records belongs to its pool: torch's CUDA-graph trees refuse it)."""
+    from kvcompress.kernels.launch import _DUMMIES, _WORKSPACES
+
+    q, k, v, w, bounds = make_inputs(2, 8, 2, 1, 900, 64, torch.float32, clip=True, seed=71)
+    kwargs = dict(scaling=0.125, causal_offset=torch.tensor([700], device=q.device), num_splits=4,
+                  fused_merge=fused, **bounds)  # fmt: skip
+    _WORKSPACES.clear()
+    _DUMMIES.clear()
+    own = weighted_decode.weighted_decode_attention(q, k, v, w, reuse_buffers=False, **kwargs)
+    assert not _WORKSPACES and not _DUMMIES
+    cached = weighted_decode.weighted_decode_attention(q, k, v, w, **kwargs)
+    assert len(_WORKSPACES) == 1 and len(_DUMMIES) == 1
+    assert torch.equal(own, cached)
+    exact = weighted_attention(q.double(), k.double(), v.double(), w.double(), backend="torch",
+                               causal_offset=700, **bounds)  # fmt: skip
+    check_close(own, exact, torch.float32)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="programs run concurrently only on a GPU")
 @pytest.mark.parametrize("cached", [False, True], ids=["tritons_launch", "cached_launch"])
 def test_fused_merge_under_concurrency_on_a_gpu(monkeypatch, cached):

@@ -195,11 +195,17 @@ def test_a_worker_thread_gets_its_own_cudagraph_tree_state():
         cudagraph_state_for_this_thread()
         seen["kept"] = torch._C._get_obj_in_tls("tree_manager_containers") is containers
         seen["found"] = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers") is containers
+        # Held by inductor's thread-local object, as inductor holds its own: what keeps them alive whether or not the
+        # stash holds a reference (torch 2.11's did not: a later graph read freed memory).
+        seen["held"] = getattr(cudagraph_trees.local, "tree_manager_containers", None) is containers
+        seen["locks"] = getattr(cudagraph_trees.local, "tree_manager_locks", None) is torch._C._get_obj_in_tls(
+            "tree_manager_locks"
+        )
 
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
-    assert seen == {"before": False, "kept": True, "found": True}
+    assert seen == {"before": False, "kept": True, "found": True, "held": True, "locks": True}
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers beside full ones

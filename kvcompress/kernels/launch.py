@@ -142,30 +142,35 @@ def launch_plan(
     return plan
 
 
-def workspace(device: torch.device, pairs: int, plan: LaunchPlan, d_v: int) -> tuple[torch.Tensor, ...]:
+def workspace(
+    device: torch.device, pairs: int, plan: LaunchPlan, d_v: int, reuse: bool = True
+) -> tuple[torch.Tensor, ...]:
     """Stage-1 partials ``(m, den, acc)`` and the fused merge's counters (int32, one per pair and row block, zero
     between launches), reused across calls of one shape. Calls on one stream run in order, so a later call
-    overwrites them only after stage 2 of the earlier one has read them."""
+    overwrites them only after stage 2 of the earlier one has read them. ``reuse=False``: new ones, not kept (a call
+    that a CUDA graph records: see :func:`kvcompress.kernels.weighted_decode.weighted_decode_attention`)."""
     key = (device, pairs, plan.num_splits, plan.rows, d_v, plan.grid[2])
-    space = _WORKSPACES.get(key)
+    space = _WORKSPACES.get(key) if reuse else None
     if space is None:
         mpart = torch.empty(pairs, plan.num_splits, plan.rows, dtype=torch.float32, device=device)
         npart = torch.empty(pairs, plan.num_splits, plan.rows, d_v, dtype=torch.float32, device=device)
         locks = torch.zeros(pairs * plan.grid[2], dtype=torch.int32, device=device)
-        if len(_WORKSPACES) >= _CACHE_LIMIT:
-            _WORKSPACES.clear()
-        space = _WORKSPACES[key] = (mpart, torch.empty_like(mpart), npart, locks)
+        space = (mpart, torch.empty_like(mpart), npart, locks)
+        if reuse:
+            if len(_WORKSPACES) >= _CACHE_LIMIT:
+                _WORKSPACES.clear()
+            _WORKSPACES[key] = space
     return space
 
 
-def dummies(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Placeholders for absent optional inputs (never read: their HAS_* flag is off)."""
+def dummies(device: torch.device, dtype: torch.dtype, reuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholders for absent optional inputs (never read: their HAS_* flag is off); ``reuse=False``: new ones,
+    not kept."""
     key = (device, dtype)
+    if not reuse:
+        return torch.zeros(1, 1, 1, dtype=dtype, device=device), torch.zeros(1, 1, dtype=torch.uint8, device=device)
     if key not in _DUMMIES:
-        _DUMMIES[key] = (
-            torch.zeros(1, 1, 1, dtype=dtype, device=device),
-            torch.zeros(1, 1, dtype=torch.uint8, device=device),
-        )
+        _DUMMIES[key] = dummies(device, dtype, reuse=False)
     return _DUMMIES[key]
 
 

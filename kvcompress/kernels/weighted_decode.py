@@ -296,6 +296,7 @@ def weighted_decode_attention(
     check: bool = True,
     fused_merge: bool | None = None,
     fold_from: int | torch.Tensor | None = None,
+    reuse_buffers: bool = True,
 ) -> torch.Tensor:
     """Launcher: Alg. 3 on ``[b, h_q, m, d]`` queries (``m <= max_new_tokens``) over a ``[b, h_kv, n, d]`` /
     ``[b, h_kv, n, d_v]`` cache.
@@ -317,6 +318,10 @@ def weighted_decode_attention(
     step's new row costs no launch of its own); needs both bounds. A ``[b]`` int64 tensor on the inputs' device instead:
     batch row ``i`` folds its one row ``fold_from[i]`` (a decode batch's new rows, each at its row's own length; the
     kernel reads the indices, which the caller keeps in ``[0, n)``).
+    ``reuse_buffers=False``: the split partials and placeholders are allocated for this call, not taken from (or
+    kept in) the per-shape cache: a call that a CUDA graph records (torch.compile's ``reduce-overhead``) allocates
+    from the graph's private pool, and a cached tensor from that pool is a live allocation the graph does not own
+    (torch's CUDA-graph trees refuse it) or, evicted from the cache, memory the graph replays on after it was freed.
     """
     if check:
         reason = unsupported_reason(queries, keys, values, weights, v_min, v_max, max_new_tokens)
@@ -339,8 +344,8 @@ def weighted_decode_attention(
     if final:
         mpart = dpart = npart = out
     else:
-        mpart, dpart, npart, locks = workspace(out.device, batch * heads_kv, plan, d_v)
-    dummy, dummy_mask = dummies(out.device, values.dtype)
+        mpart, dpart, npart, locks = workspace(out.device, batch * heads_kv, plan, d_v, reuse_buffers)
+    dummy, dummy_mask = dummies(out.device, values.dtype, reuse_buffers)
     lo_t = v_min if v_min is not None else dummy
     hi_t = v_max if v_max is not None else dummy
     mask_t = key_mask.view(torch.uint8) if key_mask is not None else dummy_mask
