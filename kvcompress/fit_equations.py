@@ -93,6 +93,16 @@ def _gram(a: torch.Tensor, bins: int, k: int) -> torch.Tensor:
     return (blocks @ blocks.transpose(-1, -2)).double()
 
 
+def _add_rows_(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``target[index[i]] += rows[i]`` in place, in the same order every run: on CUDA ``index_add_`` adds with atomics
+    (another order each run, so the fitted values changed in their last bits from run to run) and ``index_put_``'s
+    accumulation sorts the indices first; on the CPU ``index_add_`` adds row by row in order."""
+    if target.is_cuda:
+        target.index_put_((index,), rows, accumulate=True)
+    else:
+        target.index_add_(0, index, rows)
+
+
 def _right_hand_sides(
     layout: _Layout, bins: int, k: int, sets: int, d: int, partials, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +119,7 @@ def _right_hand_sides(
     """
     lows, touched = layout.lows, layout.touched
     problems, count = lows.shape
-    # One row per (problem, set, bin), summed into by index_add_ (row adds; scatter_add_ was a scalar loop on CPU).
+    # One row per (problem, set, bin), summed into by row adds (_add_rows_; scatter_add_ was a scalar loop on CPU).
     mass = torch.zeros(problems * sets * bins, k, dtype=torch.float32, device=lows.device)
     value_rhs = torch.zeros(problems * sets * bins, k * d, dtype=torch.float32, device=lows.device)
     columns = torch.arange(touched, device=lows.device)
@@ -119,8 +129,8 @@ def _right_hand_sides(
         low = lows[:, first:last]  # [P, c]
         block_mass, block_values = partials(first, last, low)
         target = ((low[..., None] + columns).clamp_max(bins - 1).reshape(problems, 1, -1) + first_bin).flatten()
-        mass.index_add_(0, target, block_mass.reshape(-1, k))
-        value_rhs.index_add_(0, target, block_values.reshape(-1, k * d))
+        _add_rows_(mass, target, block_mass.reshape(-1, k))
+        _add_rows_(value_rhs, target, block_values.reshape(-1, k * d))
     shape = (problems, sets, bins, k)
     return mass.reshape(shape).double().movedim(1, 0), value_rhs.reshape(*shape, d).double().movedim(1, 0)
 
