@@ -102,8 +102,8 @@ def profile_case(case: dict[str, Any], device: torch.device, backend: str = "aut
 # Tiles a sweep times beside the launchers' own (first row): (BLOCK_M, BLOCK_N, warps, stages) of attention_rows,
 # (BLOCK_M, warps, stages) of block_sums. Chosen from what compiles for sm_90 in bf16 at head dim 128 without
 # spilling (``python -m eval.compile_kernels``), and a few that spill a little, to see what the spills cost.
-ROWS_TILES = ((64, 32, 8, 3), (32, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2))
-PRODUCTS_TILES = ((64, 8, 3), (32, 8, 2), (16, 4, 2), (128, 8, 2), (32, 4, 3))
+ROWS_TILES = ((64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2))
+PRODUCTS_TILES = ((64, 8, 3), (32, 8, 2), (64, 8, 2), (128, 8, 2), (32, 4, 3))
 
 
 def capture_kernel_calls(case: dict[str, Any]) -> dict[str, tuple[tuple, dict]]:

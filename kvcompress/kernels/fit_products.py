@@ -208,15 +208,17 @@ def rows_config(
     block_dv = max(16, triton.next_power_of_2(d_v))
     # Tiles without register spills on sm_90 (``python -m eval.compile_kernels``): the fp32 probabilities and values
     # of the TF32 output product need more registers than FlashAttention's 16-bit ones.
+    # 16-bit up to head dim 128: the fastest of an H200's sweep at d = 128 and 32k keys (``--kernel-tiles``, the
+    # fortieth session: 0.547 ms where (64, 32, 8 warps, 2 stages) took 0.848).
     if max(block_d, block_dv) > 128:
-        tiles = (16, 16, 4)
+        tiles = (16, 16, 4, 2)
     else:
-        tiles = (32, 32, 8) if dtype == torch.float32 else (64, 32, 8)
+        tiles = (32, 32, 8, 2) if dtype == torch.float32 else (32, 32, 4, 3)
     dot_fp32, precision = _modes(dtype)
     return dict(
         BLOCK_M=block_m or tiles[0], BLOCK_N=block_n or tiles[1], BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or tiles[2],
-        num_stages=num_stages or 2,
+        num_stages=num_stages or tiles[3],
     )  # fmt: skip
 
 
@@ -231,12 +233,14 @@ def products_config(
     block_w = max(16, triton.next_power_of_2(width))
     dot_fp32, precision = _modes(dtype)
     # No spills on sm_90 at head dims 64-256 (``python -m eval.compile_kernels``) but float32's 8-24 B a thread at
-    # 16 warps, whose FMA products with the values spilled 2-7 KB at 8 warps.
+    # 16 warps, whose FMA products with the values spilled 2-7 KB at 8 warps. 16-bit up to head dim 128: 16 rows and
+    # 4 warps, 0.757 ms in an H200's sweep at d = 128 and 32k keys where 64 rows and 8 warps took 1.101 (the
+    # fortieth session; 32 rows, 4 warps and 3 stages took 0.749 but spill 144 B).
     fp32 = dtype == torch.float32
-    rows = 16 if fp32 else 32 if block_d > 128 else 64
+    rows, warps = (16, 16) if fp32 else (32, 8) if block_d > 128 else (16, 4)
     return dict(
         BLOCK_M=block_m or rows, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d, BLOCK_DV=VALUE_CHUNK,
-        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or (16 if fp32 else 8),
+        HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or warps,
         num_stages=num_stages or 2,
     )  # fmt: skip
 
