@@ -178,6 +178,48 @@ def test_decode_batch_equals_each_session_alone_with_joins_and_leaves(mode):
         assert 1 <= counter.frame_count <= len(seen)
 
 
+def test_auto_compiles_the_decode_step_on_one_cuda_device_only():
+    """``--compile-decode auto`` (the default): inductor for a model on one CUDA device, eager on CPU and for a model
+    split over devices; a named backend stays as named."""
+    from types import SimpleNamespace
+
+    from kvcompress.serve.step import compiled_forward, resolved_backend
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    one, split = {"embed": 0, "layers.0": 0}, {"embed": 0, "layers.9": 1}
+    assert resolved_backend(SimpleNamespace(device=cuda), "auto") == "inductor"
+    assert resolved_backend(SimpleNamespace(device=cuda, hf_device_map=one), "auto") == "inductor"
+    assert resolved_backend(SimpleNamespace(device=cuda, hf_device_map=split), "auto") == "off"
+    assert resolved_backend(SimpleNamespace(device=cpu), "auto") == "off"
+    assert resolved_backend(SimpleNamespace(device=cpu), "inductor") == "inductor"
+    assert compiled_forward(tiny_model("llama"), "auto") is None  # on the CPU: eager steps
+    with pytest.raises(ValueError, match="compile_decode: choose from auto, off"):
+        compiled_forward(tiny_model("llama"), "fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="auto compiles on CUDA only")
+def test_the_default_engine_on_a_gpu_compiles_its_steps_in_its_worker_thread():
+    """An engine built as ``kvcompress serve`` builds it by default (``--compile-decode auto``) on CUDA compiles its
+    decode step with inductor in its scheduler's thread, and keeps it: a warm-up that failed would fall back to
+    eager steps (``decode_forward`` None)."""
+    from types import SimpleNamespace
+
+    from kvcompress.registry import make_press
+    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.store import ContextStore
+
+    model = tiny_model("llama", dtype=torch.bfloat16, seed=3).to("cuda")
+    engine = Engine(model, SimpleNamespace(eos_token_id=None), model_name="m", press=make_press("compresskv", 0.5, 0),
+                    press_label="c", store=ContextStore(10**9), metrics=ServerMetrics())  # fmt: skip
+    try:
+        assert engine.decode_forward is not None
+        assert engine.ready.wait(600)
+        assert engine.decode_forward is not None
+    finally:
+        engine.shutdown()
+
+
 def test_a_worker_thread_gets_its_own_cudagraph_tree_state():
     """The server steps its compiled decode in a worker thread; torch before 2.13 set up CUDA-graph-tree state only in
     the thread that imported inductor, so that thread gets it from ``cudagraph_state_for_this_thread`` (run again, it

@@ -82,12 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "held back. 0: new contexts join as soon as possible (fullest batches, best aggregate "
                         "tokens/s measured); larger: smoother running streams and earlier follow-ups, later "
                         "first tokens for new contexts (a number in [0, 1e6]; default 0.0)")
-    p.add_argument("--compile-decode", default="off", choices=COMPILE_BACKENDS,
+    p.add_argument("--compile-decode", default="auto", choices=COMPILE_BACKENDS,
                    help="compile the decode step (torch.compile, one graph for every step): inductor (on CUDA with "
                         "CUDA graphs: a step is a few launches instead of a few hundred, for the host-bound steps "
                         "of small batches), cudagraphs (CUDA only: CUDA graphs without inductor, compiles in "
-                        "seconds), eager (the capture alone, a check). Compiled at start, seconds to minutes, "
-                        "while /health answers 503; off: eager steps (default off)")
+                        "seconds), eager (the capture alone, a check), off (eager steps). Compiled at start, "
+                        "seconds to minutes, while /health answers 503; if compiling fails the steps run eager. "
+                        "auto: inductor for a model on one CUDA device, off elsewhere (default auto)")
     p.add_argument("--chat-context", default="parts", choices=CHAT_CONTEXT_MODES,
                    help="which part of a chat's last user message is compressed context: parts (kvpress's pipeline: "
                         "all text parts but the last; a one-part message is all question, never compressed) or "
@@ -166,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvcompress.models import EMBEDDED_MODEL, load_model, resolve_device_dtype
     from kvcompress.serve.engine import Engine
     from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.step import resolved_backend
     from kvcompress.serve.store import ContextStore
 
     if args.threads is not None:
@@ -210,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("kvcompress.serve").info(
         "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g, "
         "compiled decode %s, chat context %s", served, args.method, args.ratio, args.host, args.port,
-        args.cache_memory, args.max_batch, args.decode_per_prefill, args.compile_decode, args.chat_context)
+        args.cache_memory, args.max_batch, args.decode_per_prefill,
+        resolved_backend(model, args.compile_decode), args.chat_context)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -135,7 +135,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, model_name: str, press, press_label: str, store: ContextStore,
                  metrics: ServerMetrics, max_queue: int = 64, prefix_min_fraction: float = 0.5, max_batch: int = 8,
                  max_batch_tokens: int = 131072, memory: int | None = None, decode_per_prefill: float | None = None,
-                 compile_decode: str = "off"):
+                 compile_decode: str = "auto"):
         from kvcompress.serve.scheduler import DECODE_PER_PREFILL, Scheduler
 
         self.model, self.tokenizer, self.press = model, tokenizer, press
