@@ -19,6 +19,8 @@ pipeline slices to).
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -112,7 +114,7 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
 
     def update(self, key_states, value_states, cache_kwargs=None):
         keys, values = super().update(key_states, value_states, cache_kwargs)
-        setattr(keys, _TAG, self)
+        tag_layer(keys, self)
         return keys, values
 
     def _take_batch_rows(self, index: torch.Tensor) -> None:
@@ -210,13 +212,17 @@ class WeightedLayer(BatchRowOps, DynamicLayer):
 
 def tag_layer(keys: torch.Tensor, layer: object) -> None:
     """Mark ``keys`` (what a cache layer's ``update`` returns) as belonging to ``layer``, so the kvcompress attention
-    runs weighted attention over it with the layer's ``key_mask``, ``weights_for`` and ``clip_range``."""
-    setattr(keys, _TAG, layer)
+    runs weighted attention over it with the layer's ``key_mask``, ``weights_for`` and ``clip_range``. By a weak
+    reference (one that compiled code can read): the layer holds its keys, and a strong one back made every
+    compressed cache a reference cycle, freed (its device memory too) only when Python's collector ran. A deep copy
+    keeps a weak reference pointing at the original: :meth:`WeightedDynamicCache.__deepcopy__` tags the copy's."""
+    setattr(keys, _TAG, weakref.ref(layer))
 
 
 def layer_of(keys: torch.Tensor) -> WeightedLayer | None:
     """The compressed layer whose ``update`` returned ``keys``, or None for an ordinary cache."""
-    return getattr(keys, _TAG, None)
+    ref = getattr(keys, _TAG, None)
+    return None if ref is None else ref()
 
 
 class WeightedDynamicCache(DynamicCache):
@@ -226,6 +232,17 @@ class WeightedDynamicCache(DynamicCache):
     stand for); window layers (:class:`kvcompress.window.WindowLayer`) follow that count: when the other layers
     were cut back to the end of the context (kvpress's pipeline between questions), they restore their rows there
     before the next step's masks are built."""
+
+    def __deepcopy__(self, memo: dict) -> WeightedDynamicCache:
+        """A deep copy whose layers' tagged tensors name the copied layers (:func:`tag_layer`)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        for layer in copied.layers:
+            for value in vars(layer).values():
+                if isinstance(value, torch.Tensor) and hasattr(value, _TAG):
+                    tag_layer(value, layer)
+        return copied
 
     def _reference_layer(self):
         from kvcompress.window import WindowLayer
@@ -364,4 +381,4 @@ def install_compressed_layer(cache: DynamicCache, layer_idx: int, layer: Weighte
     if type(cache) is DynamicCache:
         cache.__class__ = WeightedDynamicCache
     cache.layers[layer_idx] = layer
-    setattr(layer.keys, _TAG, layer)
+    tag_layer(layer.keys, layer)

@@ -76,6 +76,7 @@ class SideStreamCompression:
     it reads the press's ``overlap_compression``, ``_side`` (a :class:`CompressionStream`), ``_deferred`` (layer ->
     ``(cache, state)`` waiting for its decoder layer to finish) and ``_compress_layer``)."""
 
+    @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def _compress_beside_next_layer(self, layer: torch.nn.Module, args: tuple, output: Any) -> None:
         """Decoder-layer hook (``overlap_compression``): compress this layer on the side stream, beside the next
         layer's prefill. Launched after the layer's MLP, not after its attention, so that the compression's

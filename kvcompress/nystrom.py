@@ -43,6 +43,7 @@ class RPNysResult:
     weights: torch.Tensor
 
 
+@torch.no_grad()
 def rpnys(
     keys: torch.Tensor,
     rank: int,
@@ -57,6 +58,7 @@ def rpnys(
                  broadcasts to ``[...]``).
     step_keys:   ``[..., rank]`` int64 random keys, one per pivot step (see :mod:`kvcompress.rng`).
     valid:       optional ``[..., L]`` bool mask; masked rows are never selected and get weight 0.
+    Runs outside autograd (no graph through the pivot loop: :func:`compress_kv`).
 
     Stable form: with ``y = sqrt(a) x``, ``h = D G D`` for the Gaussian kernel
     ``G_ij = exp(-|y_i - y_j|^2 / 2)`` and ``D_i = exp(|y_i|^2 / 2)``. The Cholesky-style updates run
@@ -171,6 +173,7 @@ def bin_bounds(n: int, bins: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@torch.no_grad()
 def compress_kv(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -206,6 +209,9 @@ def compress_kv(
     positive ``query_radius``: on a GPU each read is a host-device sync); non-finite keys or values then give
     non-finite values and weights instead of an error. For callers that check finiteness themselves (the paper
     press reads every layer's once, after the prefill): the kernel's path then syncs once, on its result.
+
+    Runs outside autograd (as :func:`rpnys`): a coreset is chosen, not differentiated, and a graph through the
+    pivot loop's in-place updates was a reference cycle that outlived every call's result.
     """
     check_backend(backend)
     check_float_tensor("keys", keys, min_dim=2)

@@ -85,6 +85,7 @@ class RepeatPassHooks:
             return False
         return self._embedded_chunks([])
 
+    @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def _repeat_streamed(self, layer: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder-layer hook, after a layer's prefill: stream the repeat pass through it and compress it."""
         layer_idx = layer.self_attn.layer_idx
@@ -146,6 +147,7 @@ class RepeatPassHooks:
         finally:
             self._pending, self._repeating, self._snapshot = saved, False, []
 
+    @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def _after_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook: after a prefill whose layers wait for the repeat pass, run it and compress."""
         if self._repeating:

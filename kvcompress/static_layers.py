@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from kvcompress.cache import _TAG, WeightedLayer
+from kvcompress.cache import WeightedLayer, tag_layer
 from kvcompress.window import window_crop_refused, window_crop_target
 
 
@@ -82,7 +82,7 @@ class StaticWeightedLayer(WeightedLayer):
         self._rows = self._length.clone()
         self._new_values = values[:, :, :0]
         _static(self._keys, self.values, self.row_weights, self._visible, self.value_min, self.value_max, self._length)
-        setattr(self._keys, _TAG, self)
+        tag_layer(self._keys, self)
 
     @property
     def context_rows(self) -> int:
@@ -239,7 +239,7 @@ class StaticWindowLayer(CacheLayerMixin):
         self.is_initialized = True
         self._context = [t.clone() for t in (self.keys, self.values, self.slot_tokens, self.slot_real)]
         _static(self.keys, self.values, self.slot_tokens, self.slot_real, self._length)
-        setattr(self.keys, _TAG, self)
+        tag_layer(self.keys, self)
 
     def _keep(self, name: str, new: torch.Tensor | None) -> None:
         """Assigning a view of the ring (kvpress's pipeline slicing every layer back after an answer) keeps the
@@ -289,7 +289,7 @@ class StaticWindowLayer(CacheLayerMixin):
         self._attended = torch.cat([self.slot_tokens, positions])
         keep = slice(max(0, q - self.sliding_window), q)
         self._write(positions[keep], key_states[:, :, keep], value_states[:, :, keep])
-        setattr(keys, _TAG, self)
+        tag_layer(keys, self)
         return keys, values
 
     def _write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:

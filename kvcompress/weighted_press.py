@@ -84,6 +84,9 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     prefill, or its repeat pass where that runs layer by layer (:mod:`kvcompress.compression_stream`); the same
     cache, each layer's full cache held until the next layer's compression starts. Off by default until measured
     on a GPU.
+    The press's hooks run outside autograd: its rows are chosen and fitted, not differentiated, so a prefill run
+    with gradients on keeps no graph of the compression (the model's own forward keeps its graph, and later decode
+    steps theirs); a graph through the selection's in-place updates outlived its cache, each prefill's with it.
     """
 
     compression_ratio: float = 0.0
@@ -281,6 +284,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         rows = self._rows[1]
         return None if rows is None else [index.to(device) for index in rows]
 
+    @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Decoder forward hook, after any repeat pass: sliding layers cut to their window
         (:mod:`kvcompress.window`), and a :class:`kvcompress.static_cache.StaticWeightedCache` made static."""
@@ -314,6 +318,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._positions = (cache_position, n, is_prefilling(cache_position, n))
         return self._positions[2]
 
+    @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
         n = kwargs["hidden_states"].shape[1]
         if not self._repeating and self.plan(n) is not None and self._prefilling(kwargs["cache_position"], n):
