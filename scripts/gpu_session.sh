@@ -15,7 +15,8 @@
 # tests, the 32k breakdown and the decode steps decide every switch that waits for a GPU (overlap_compression,
 # FUSED_MERGE, CACHED_LAUNCH) before the deadline cuts the rest. The thirty-fifth added the `calibrated` setting to the
 # 32k breakdown: a layer kept whole and a widened one, as a calibrated model's default runs (never run on a GPU).
-# SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names).
+# SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names);
+# E2E_REPEATS_32K the 32k breakdown's repeats (default 2).
 #
 # Steps, by name:
 #   kernel_tests    every Triton kernel's tests compiled on CUDA (and the CUDA-graph decode against eager)
@@ -116,7 +117,7 @@ step lse_prefill 40 $PY -m eval.probe_flash_lse --context 0 --chunk 32768 --outp
 cat "$OUT/lse_prefill.log" 2>/dev/null
 
 # shellcheck disable=SC2086  # the settings are words
-step prefill_32768 240 $PY -m eval.speed --only prefill --breakdown-lengths 32768 --e2e-repeats 2 \
+step prefill_32768 240 $PY -m eval.speed --only prefill --breakdown-lengths 32768 --e2e-repeats "${E2E_REPEATS_32K:-2}" \
     --breakdown-settings $SETTINGS_32K --output "$OUT/prefill_32768.json"
 grep -A14 "breakdown per setting" "$OUT/prefill_32768.log" 2>/dev/null
 grep -A4 "attention mass of one layer" "$OUT/prefill_32768.log" 2>/dev/null

@@ -53,6 +53,9 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "window": dict(reference=("window",)),
     "window_sum": dict(reference=("window",), score_pooling="sum"),  # README's pick when the continuation matters
     "window_nofit": dict(reference=("window",), fit="none"),
+    # the default without its fit (w = 1, values kept): its total_s against the default's is the fit's cost in a
+    # prefill as it runs (the breakdown's fit_s syncs around each call, so it also counts host time the GPU hides)
+    "default_nofit": dict(fit="none"),
     "context": dict(reference=("window", "context")),
     "accumulated": dict(reference=("window", "accumulated")),
     # each layer's selection and fit on a side CUDA stream beside the next layer (overlap_compression, off by default)

@@ -232,16 +232,16 @@ def products_config(
     block_s = max(16, triton.next_power_of_2(span))
     block_w = max(16, triton.next_power_of_2(width))
     dot_fp32, precision = _modes(dtype)
-    # No spills on sm_90 at head dims 64-256 (``python -m eval.compile_kernels``) but float32's 8-24 B a thread at
-    # 16 warps, whose FMA products with the values spilled 2-7 KB at 8 warps. 16-bit up to head dim 128: 16 rows and
-    # 4 warps, 0.757 ms in an H200's sweep at d = 128 and 32k keys where 64 rows and 8 warps took 1.101 (the
-    # fortieth session; 32 rows, 4 warps and 3 stages took 0.749 but spill 144 B).
+    # Float32: 16 rows and 16 warps (8-24 B a thread spilled on sm_90, ``python -m eval.compile_kernels``; its FMA
+    # products with the values spilled 2-7 KB at 8 warps). 16-bit up to head dim 128: 16 rows and 4 warps, no spills,
+    # 0.757 / 0.899 ms in two H200 sweeps at d = 128 and 32k keys, where 64 rows and 8 warps took 1.101 / 1.391 (32
+    # rows, 4 warps and 3 stages took 0.749 / 0.814 but spill 144 B a thread); wider heads: 32 rows, 8 warps.
     fp32 = dtype == torch.float32
-    rows, warps = (16, 16) if fp32 else (32, 8) if block_d > 128 else (16, 4)
+    rows, warps, stages = (16, 16, 2) if fp32 else (32, 8, 2) if block_d > 128 else (16, 4, 2)
     return dict(
         BLOCK_M=block_m or rows, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d, BLOCK_DV=VALUE_CHUNK,
         HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or warps,
-        num_stages=num_stages or 2,
+        num_stages=num_stages or stages,
     )  # fmt: skip
 
 
