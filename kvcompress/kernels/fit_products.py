@@ -237,11 +237,11 @@ def products_config(
     # 0.757 / 0.899 ms in two H200 sweeps at d = 128 and 32k keys, where 64 rows and 8 warps took 1.101 / 1.391 (32
     # rows, 4 warps and 3 stages took 0.749 / 0.814 but spill 144 B a thread); wider heads: 32 rows, 8 warps.
     fp32 = dtype == torch.float32
-    rows, warps, stages = (16, 16, 2) if fp32 else (32, 8, 2) if block_d > 128 else (16, 4, 2)
+    rows, warps = (16, 16) if fp32 else (32, 8) if block_d > 128 else (16, 4)
     return dict(
         BLOCK_M=block_m or rows, BLOCK_S=block_s, BLOCK_W=block_w, BLOCK_D=block_d, BLOCK_DV=VALUE_CHUNK,
         HAS_POS=has_pos, DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps or warps,
-        num_stages=num_stages or stages,
+        num_stages=num_stages or 2,
     )  # fmt: skip
 
 
