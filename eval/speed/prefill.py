@@ -14,7 +14,8 @@ medians over the same repeats). Stages, all in seconds per prefill:
 * ``forward_s``: the instrumented total less all of the above (the model's own prefill forward with the
   press's hooks; for kvpress's SnapKV its scoring and pruning are in here).
 
-``vs_none``: ``total_s`` over the no-press prefill at the same length; ``peak_gib`` / ``peak_vs_snapkv``: peak
+``total_s_runs``: every plain prefill's seconds (the spread behind the median). ``vs_none``: ``total_s`` over the
+no-press prefill at the same length; ``peak_gib`` / ``peak_vs_snapkv``: peak
 allocated device memory (CUDA only; None on CPU); ``reserved_gib``: the caching allocator's peak reservation (CUDA
 only), which can exceed the allocated peak by what a side stream's blocks keep (``overlap_compression``). A
 setting that fails (e.g. out of memory at 64k) gets an ``error`` and the run goes on.
@@ -175,7 +176,7 @@ def run_prefill_breakdown(
                 release(device)
                 clock.memory_reset()
                 totals = clock.times(lambda p=press, i=ids: prefill(model, p, i), cfg.e2e_warmup, cfg.e2e_repeats)
-                row["total_s"] = statistics.median(totals)
+                row["total_s"], row["total_s_runs"] = statistics.median(totals), totals  # the runs: their spread
                 row["peak_gib"], row["reserved_gib"] = clock.memory_peak_gib(), clock.memory_reserved_gib()
                 parts = []
                 for _ in range(cfg.e2e_repeats):
