@@ -14,7 +14,8 @@
 # the twenty-first the decode kernels' cached launch, and moved the decode steps up: in one 540 s call the kernel
 # tests, the 32k breakdown and the decode steps decide every switch that waits for a GPU (overlap_compression,
 # FUSED_MERGE, CACHED_LAUNCH) before the deadline cuts the rest. The thirty-fifth added the `calibrated` setting to the
-# 32k breakdown: a layer kept whole and a widened one, as a calibrated model's default runs (never run on a GPU).
+# 32k breakdown: a layer kept whole and a widened one, as a calibrated model's default runs (never run on a GPU); the
+# forty-first added `default_nofit` to the breakdowns (the default without its fit: what the fit adds end to end).
 # SETTINGS_32K / SETTINGS_64K / SETTINGS_8K change the breakdowns' settings (eval/speed/prefill.py's names);
 # E2E_REPEATS_32K the 32k breakdown's repeats (default 2).
 #
@@ -60,9 +61,9 @@ DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
 DECODE_CONTEXTS=${DECODE_CONTEXTS:-32768}
 DECODE_BATCHES=${DECODE_BATCHES:-1 8}
-SETTINGS_32K=${SETTINGS_32K:-none snapkv default calibrated default_overlap balanced balanced_overlap balanced_eighth thorough kvzip window_sum}
+SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_nofit calibrated default_overlap balanced balanced_overlap balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
-SETTINGS_8K=${SETTINGS_8K:-none snapkv default balanced balanced_eighth thorough}
+SETTINGS_8K=${SETTINGS_8K:-none snapkv default default_nofit balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
 STEPS=${STEPS:-kernel_tests prefill_32768 $decode_steps decode_batch overlap bench_fit_known bench_fit prefill_65536 \
 decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
