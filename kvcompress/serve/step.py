@@ -48,9 +48,9 @@ def cudagraph_state_for_this_thread() -> None:
     """Set up this thread's CUDA-graph-tree state if torch has not. Before torch 2.13 that state lives in thread-local
     storage stashed only in the thread that imported torch's inductor (pytorch/pytorch#123177), so a compiled step
     with CUDA graphs asserted in any other Python thread, such as the server's worker; torch 2.13 sets it up lazily,
-    as this does, on inductor's own thread-local object. That object must hold the two containers: the stash keeps a
-    pointer without a reference of its own, so containers nothing else holds are freed at once and the next graph
-    reads freed memory (torch 2.11 on an H200: a SystemError in dict code, then a segmentation fault)."""
+    as this does, on inductor's own thread-local object. That object must hold the two containers: torch 2.11's stash
+    keeps no reference of its own (2.13's does), so containers nothing else held were freed at once and the next
+    graph read freed memory (on an H200: a SystemError in dict code, then a segmentation fault)."""
     if torch._C._is_key_in_tls("tree_manager_containers"):
         return
     from torch._inductor import cudagraph_trees
