@@ -197,6 +197,46 @@ def test_auto_compiles_the_decode_step_on_one_cuda_device_only():
         compiled_forward(tiny_model("llama"), "fast")
 
 
+@torch.no_grad()
+def test_a_failed_compiled_step_is_run_again_eager(caplog):
+    """A compiled step that raises after writing the step's rows (what a failure inside the graph leaves): the engine
+    runs the step again eager over the same static batch, with the logits an eager step gives from the start, and
+    decodes eager from then on; the log says why."""
+    from types import SimpleNamespace
+
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.batch import build
+    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.step import decode_step
+    from kvcompress.serve.store import ContextStore
+
+    model = tiny_model("llama", dtype=torch.float32, seed=8)
+    use_weighted_attention(model)
+    sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(300, 3, True), (160, 2, True)], seed=4)
+    sources, tokens, positions = _opened(model, sessions)
+    engine = Engine(model, SimpleNamespace(eos_token_id=None), model_name="m", press=make_press("compresskv", 0.5, 0),
+                    press_label="c", store=ContextStore(10**9), metrics=ServerMetrics(), compile_decode="eager")
+    try:
+        def failing(**inputs):  # the step's rows written, then an error
+            model(**inputs)
+            raise RuntimeError("a graph the warm-up did not foresee")
+
+        engine.decode_forward = failing
+        expected_batch, batch = (build(None, [], sources, 512, static=True) for _ in range(2))
+        for _ in range(3):
+            expected = decode_step(model, expected_batch, tokens, positions)
+            logits = engine.decode(batch, tokens, positions)
+            torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+            assert engine.decode_forward is None
+            positions = [p + 1 for p in positions]
+            tokens = expected.argmax(-1).tolist()
+        assert "compiled decode step failed; decoding eager from now on" in caplog.text
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="auto compiles on CUDA only")
 def test_the_default_engine_on_a_gpu_compiles_its_steps_in_its_worker_thread():
     """An engine built as ``kvcompress serve`` builds it by default (``--compile-decode auto``) on CUDA compiles its

@@ -328,8 +328,17 @@ class Engine:
         return build(kept, keep, new, capacity, static=self.decode_forward is not None)
 
     def decode(self, batch, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step of ``batch`` (:func:`kvcompress.serve.step.decode_step`), compiled or eager."""
-        return decode_step(self.model, batch, tokens, positions, forward=self.decode_forward)
+        """One decode step of ``batch`` (:func:`kvcompress.serve.step.decode_step`), compiled or eager. A compiled
+        step that raises (a graph its warm-up did not foresee, say) is run again eager, as is every later step, and
+        the log says why: a failed step leaves the rows it wrote past the batch's counts, unread, so the eager step
+        reads the cache the compiled one would have (the sessions go on instead of failing)."""
+        if self.decode_forward is not None:
+            try:
+                return decode_step(self.model, batch, tokens, positions, forward=self.decode_forward)
+            except Exception:  # noqa: BLE001 - the eager step below serves; the log has the trace
+                log.exception("compiled decode step failed; decoding eager from now on")
+                self.decode_forward = None
+        return decode_step(self.model, batch, tokens, positions)
 
     def warm_up(self) -> None:
         """Compile the decode step before the first request (with ``compile_decode``; the scheduler's thread calls it
