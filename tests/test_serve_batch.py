@@ -18,6 +18,14 @@ from tests.serve_helpers import API_KEY, running_server
 from tests.tiny_models import tiny_model
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo counts recompiles per code object, and every model's forward runs through transformers' one wrapper:
+    each test's compiled steps start from no entries, whatever earlier tests in the same worker compiled (past 8, a
+    ``fullgraph`` compile fails)."""
+    torch._dynamo.reset()
+
+
 def _sessions(model, press, specs, seed=0):
     """Per spec (context tokens, question tokens, compressed?): (context ids, question ids, stored cache)."""
     g = torch.Generator().manual_seed(seed)
@@ -217,13 +225,14 @@ def test_a_failed_compiled_step_is_run_again_eager(caplog):
     sessions = _sessions(model, make_press("compresskv", 0.5, 0), [(300, 3, True), (160, 2, True)], seed=4)
     sources, tokens, positions = _opened(model, sessions)
     engine = Engine(model, SimpleNamespace(eos_token_id=None), model_name="m", press=make_press("compresskv", 0.5, 0),
-                    press_label="c", store=ContextStore(10**9), metrics=ServerMetrics(), compile_decode="eager")
+                    press_label="c", store=ContextStore(10**9), metrics=ServerMetrics(), compile_decode="off")
     try:
         def failing(**inputs):  # the step's rows written, then an error
             model(**inputs)
             raise RuntimeError("a graph the warm-up did not foresee")
 
-        engine.decode_forward = failing
+        assert engine.ready.wait(60)  # the worker thread's warm-up is over (nothing to compile): it runs no model now
+        engine.decode_forward = failing  # what a compiled step that raises looks like to the engine
         expected_batch, batch = (build(None, [], sources, 512, static=True) for _ in range(2))
         for _ in range(3):
             expected = decode_step(model, expected_batch, tokens, positions)
@@ -401,7 +410,6 @@ def test_inductor_compiled_decode_batch_equals_each_session_alone(layers):
     from kvcompress.serve.batch import build
     from kvcompress.serve.step import compiled_forward
 
-    torch._dynamo.reset()  # the count of recompiles is per code object: other tests' models are not this server's
     model = tiny_model("llama", dtype=torch.float64, seed=6, num_hidden_layers=3)
     use_weighted_attention(model)
     options = {"retrieval_layers": (1,)} if layers == "per_layer" else {}
