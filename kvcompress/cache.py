@@ -19,7 +19,6 @@ pipeline slices to).
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections.abc import Callable
 
@@ -29,6 +28,29 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from kvcompress.attention import fold_value_range_
 
 _TAG = "_kvcompress_layer"
+
+
+class TaggedLayer:
+    """A cache layer whose tensors name it (:func:`tag_layer`): copied (``copy.copy``, ``copy.deepcopy``) or pickled
+    (``pickle``, ``torch.save``), those tensors go as aliases of their storage without the tag, keeping their other
+    attributes (a static address mark, say), and the new layer tags them itself: a copy's keys name the copy."""
+
+    def __getstate__(self) -> dict:
+        state, tagged = dict(self.__dict__), []
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and _TAG in value.__dict__:
+                alias = value.detach()
+                alias.__dict__.update((key, item) for key, item in value.__dict__.items() if key != _TAG)
+                state[name] = alias
+                tagged.append(name)
+        state["_tagged"] = tagged
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        tagged = state.pop("_tagged", [])
+        self.__dict__.update(state)
+        for name in tagged:
+            tag_layer(state[name], self)
 
 
 class BatchRowOps:
@@ -52,7 +74,7 @@ class BatchRowOps:
         self._take_batch_rows(torch.arange(self.keys.shape[0], device=self.keys.device)[indices])
 
 
-class WeightedLayer(BatchRowOps, DynamicLayer):
+class WeightedLayer(TaggedLayer, BatchRowOps, DynamicLayer):
     """A DynamicLayer whose first ``row_weights.shape[-1]`` rows are a compressed, weighted context.
 
     ``row_valid [b, r]`` (bool, None = all real): False on filler rows, which pad the compressed context of
@@ -214,8 +236,8 @@ def tag_layer(keys: torch.Tensor, layer: object) -> None:
     """Mark ``keys`` (what a cache layer's ``update`` returns) as belonging to ``layer``, so the kvcompress attention
     runs weighted attention over it with the layer's ``key_mask``, ``weights_for`` and ``clip_range``. By a weak
     reference (one that compiled code can read): the layer holds its keys, and a strong one back made every
-    compressed cache a reference cycle, freed (its device memory too) only when Python's collector ran. A deep copy
-    keeps a weak reference pointing at the original: :meth:`WeightedDynamicCache.__deepcopy__` tags the copy's."""
+    compressed cache a reference cycle, freed (its device memory too) only when Python's collector ran. A weak
+    reference is neither copied nor pickled with its layer: tagged layers derive from :class:`TaggedLayer`."""
     setattr(keys, _TAG, weakref.ref(layer))
 
 
@@ -232,17 +254,6 @@ class WeightedDynamicCache(DynamicCache):
     stand for); window layers (:class:`kvcompress.window.WindowLayer`) follow that count: when the other layers
     were cut back to the end of the context (kvpress's pipeline between questions), they restore their rows there
     before the next step's masks are built."""
-
-    def __deepcopy__(self, memo: dict) -> WeightedDynamicCache:
-        """A deep copy whose layers' tagged tensors name the copied layers (:func:`tag_layer`)."""
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        for layer in copied.layers:
-            for value in vars(layer).values():
-                if isinstance(value, torch.Tensor) and hasattr(value, _TAG):
-                    tag_layer(value, layer)
-        return copied
 
     def _reference_layer(self):
         from kvcompress.window import WindowLayer

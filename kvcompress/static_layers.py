@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from kvcompress.cache import WeightedLayer, tag_layer
+from kvcompress.cache import TaggedLayer, WeightedLayer, tag_layer
 from kvcompress.window import window_crop_refused, window_crop_target
 
 
@@ -204,7 +204,7 @@ class StaticWeightedLayer(WeightedLayer):
         raise ValueError("num_beams: a static compressed cache supports greedy and sampled decoding (num_beams=1)")
 
 
-class StaticWindowLayer(CacheLayerMixin):
+class StaticWindowLayer(TaggedLayer, CacheLayerMixin):
     """A sliding-window layer as a ring of ``sliding_window`` preallocated rows: token ``t`` lives in slot
     ``t % sliding_window``; which slot holds which token (``slot_tokens [W]``) and which hold real tokens
     (``slot_real [b, W]``) are device tensors updated in place, so decode steps need no host value (transformers'

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
+import pickle
 import weakref
 
 import pytest
@@ -92,26 +94,53 @@ def test_compress_kv_runs_outside_autograd():
     assert counts[2] == counts[1], counts
 
 
-def test_a_deep_copy_answers_on_its_own_layers(model_and_ids):
-    """Keys name their layer weakly; a deep copy of a compressed cache (dynamic, and static: whose keys are tagged once,
-    when it is built) has keys that name the copy's layers, and the copy answers as the original did once the
-    original is gone (a tag that named the original would read its rows, or none)."""
+def _round_trip(cache, how: str):
+    if how == "deepcopy":
+        return copy.deepcopy(cache)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(cache))
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_copied_or_saved_cache_answers_on_its_own_layers(model_and_ids, how, static):
+    """Keys name their layer weakly, and a weak reference is neither copied nor pickled: a deep copy, a pickle or a
+    ``torch.save`` round trip of a compressed cache (dynamic, and static, whose keys are tagged once, when it is
+    built) has keys that name its own layers, and it answers as the original did once the original is gone (a tag
+    that named the original would read its rows, or none)."""
     from kvcompress.cache import layer_of
     from kvcompress.static_cache import StaticWeightedCache
 
     model, ids = model_and_ids
     question = torch.randint(0, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(4))
+    position = torch.arange(ids.shape[1], ids.shape[1] + 4)[None]
     with torch.no_grad():
-        for static in (False, True):
-            cache = _prefill(model, PRESSES["default"](), ids)[0]
-            if static:
-                cache = StaticWeightedCache.from_compressed(cache, max_new_tokens=8)
-            copied = copy.deepcopy(cache)
-            for layer, twin in zip(cache.layers, copied.layers, strict=True):
-                assert layer_of(twin.keys) is twin and layer_of(layer.keys) is layer
-            position = torch.arange(ids.shape[1], ids.shape[1] + 4)[None]
-            expected = model(input_ids=question, past_key_values=cache, position_ids=position).logits
-            del cache
-            gc.collect()
-            logits = model(input_ids=question, past_key_values=copied, position_ids=position).logits
-            torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        cache = _prefill(model, PRESSES["default"](), ids)[0]
+        if static:
+            cache = StaticWeightedCache.from_compressed(cache, max_new_tokens=8)
+        copied = _round_trip(cache, how)
+        for layer, twin in zip(cache.layers, copied.layers, strict=True):
+            assert layer_of(twin.keys) is twin and layer_of(layer.keys) is layer
+        expected = model(input_ids=question, past_key_values=cache, position_ids=position).logits
+        del cache
+        gc.collect()
+        logits = model(input_ids=question, past_key_values=copied, position_ids=position).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+def test_a_shallow_copy_of_a_layer_names_the_copy(model_and_ids):
+    """``copy.copy`` of a compressed layer (the server's store hands out such views): the copy's keys share the
+    original's rows and name the copy; the original's keys still name the original."""
+    from kvcompress.cache import layer_of
+
+    model, ids = model_and_ids
+    with torch.no_grad():
+        cache = _prefill(model, PRESSES["default"](), ids)[0]
+    layer = cache.layers[0]
+    view = copy.copy(layer)
+    assert layer_of(view.keys) is view and layer_of(layer.keys) is layer
+    assert view.keys.data_ptr() == layer.keys.data_ptr() and torch.equal(view.keys, layer.keys)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvcompress.cache import WeightedLayer, tag_layer
+from kvcompress.cache import TaggedLayer, WeightedLayer, tag_layer
 
 
 @dataclass
@@ -120,7 +120,7 @@ class RowCounts:
         self.width, self.visible, self.mask, self._windowed = 0, None, None, {}
 
 
-class BatchLayer(DynamicLayer):
+class BatchLayer(TaggedLayer, DynamicLayer):
     """One layer of the decode batch (see the module docstring); tagged so the kvcompress attention runs weighted
     attention over it with :meth:`key_mask`, :meth:`weights_for` and :meth:`clip_range`."""
 
