@@ -465,3 +465,48 @@ def test_choose_num_splits():
     assert weighted_decode.choose_num_splits(300, 4, 64, 132) == 2
     assert weighted_decode.choose_num_splits(32768, 512, 64, 132) == 1
     assert weighted_decode.choose_num_splits(10**7, 1, 64, 132) == weighted_decode.MAX_SPLITS
+
+
+def test_host_integer_helpers_equal_tritons():
+    import triton
+
+    from kvcompress.kernels.launch import cdiv, next_power_of_2
+
+    for a in [*range(0, 300), 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 17, 64, 256):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_growing_cache_plans_as_a_fresh_one(dtype, on_device):
+    """A dynamic cache's call is one row longer each step: its plan reuses the tiles of the last step's shape and
+    must equal the plan made with every cache empty (same splits, grid, offsets and options)."""
+    from kvcompress.kernels import launch
+
+    queries = torch.empty(2, 28, 1, 128, dtype=dtype, device="meta")
+
+    def plans(lengths):
+        out = []
+        for n in lengths:
+            keys = torch.empty(2, 4, n, 128, dtype=dtype, device="meta")
+            offset = torch.empty(2, dtype=torch.int64, device="meta") if on_device else n - 1
+            plan = launch.launch_plan(queries, keys, keys, offset, None, None, None)
+            options = launch.kernel_options(plan, 128, 128, has_vmin=True, has_vmax=True, has_mask=False,
+                                            offset_on_device=on_device, num_stages=2, fused_merge=True, fold=True)
+            out.append((plan, options))
+        return out
+
+    lengths = [*range(250, 700, 7), *range(32700, 32800, 3), 300]
+    grown = plans(lengths)
+    fresh = []
+    for n in lengths:
+        launch._PLANS.clear(), launch._TILES.clear(), launch._options.cache_clear()
+        fresh.extend(plans([n]))
+    assert grown == fresh
+    splits = {plan.num_splits for plan, _ in grown}
+    assert len(splits) > 3  # the lengths cross several split counts, so a stale plan would differ
+    for plan, _ in grown:
+        assert plan.grid == (8, plan.num_splits, plan.tiles.row_blocks)
+        assert plan.split_len * (plan.num_splits - 1) < plan.n_read <= plan.split_len * plan.num_splits

@@ -75,7 +75,7 @@ def test_smoke_run_writes_every_section(tmp_path: Path, capsys: pytest.CaptureFi
     calls = data["decode"]["attention"]
     assert {r["variant"] for r in calls} == set(speed.decode.ATTENTION_VARIANTS)
     assert all(positive(r["python_s"]) and positive(r["host_s"]) and r["cuda_graph_s"] is None for r in calls)
-    assert all(positive(r["host_step_s"]) for r in calls if r["variant"] == "ours/eager")
+    assert all(positive(r["host_step_s"]) and positive(r["host_grow_s"]) for r in calls if r["variant"] == "ours/eager")
     for goal in data["decode"]["goals"]:
         assert goal["compiled_vs_floor"] and goal["speedup_vs_full"] and goal["ours_attention_host_us"], goal
 
@@ -184,3 +184,31 @@ def test_folding_one_row_makes_every_call_fold_a_row_into_the_clip_range(monkeyp
     assert folds == [1, 1, 1]
     torch.testing.assert_close(got_low, torch.minimum(low, values[:, :, 12:].amin(-2)), rtol=0, atol=0)
     torch.testing.assert_close(got_high, torch.maximum(high, values[:, :, 12:].amax(-2)), rtol=0, atol=0)
+
+
+def test_one_row_longer_each_call_calls_over_a_new_length_and_the_layer_is_restored() -> None:
+    """``host_grow_s``'s calls (eval.speed.decode): each call is over the layer's rows plus one more than the last
+    call's (cycling), tagged as the layer's, with only that row left to fold; cropping restores the layer."""
+    import torch
+
+    from eval.speed.decode import _one_row_longer_each_call
+    from kvcompress.cache import WeightedLayer, layer_of
+
+    g = torch.Generator().manual_seed(6)
+    keys, values = torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+    layer = WeightedLayer(keys, values, torch.rand(1, 2, 12, generator=g) + 0.5, values.amin(-2), values.amax(-2),
+                          tokens=40)  # fmt: skip
+    keys, values = layer.update(torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g))
+    seen = []
+
+    def call_over(k, v):
+        assert layer_of(k) is layer and v.shape[-2] == k.shape[-2]
+        assert layer.clip_range(k.shape[-2])[2] == k.shape[-2] - 1  # one row to fold
+        seen.append(k.shape[-2])
+
+    step = _one_row_longer_each_call(layer, call_over, 4)
+    for _ in range(6):
+        step()
+    assert seen == [16, 17, 18, 19, 16, 17]
+    layer.crop(15)
+    assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)

@@ -180,14 +180,43 @@ def _folding_one_row(layer: Any, call: Callable[[], Any]) -> Callable[[], Any]:
     return step
 
 
+def _one_row_longer_each_call(layer: Any, call_over: Callable[[Any, Any], Any], count: int) -> Callable[[], Any]:
+    """A decode step's attention call as it comes: ``call_over(keys, values)`` over the layer's rows plus one more
+    each call (views of the layer after ``count`` rows more were appended, each tagged as the layer's), folding
+    that row into the clip range; the row count and causal offset are new every call, as over a dynamic cache,
+    where the other host figures repeat one shape. Restore the layer with ``layer.crop(rows before)`` after."""
+    from kvcompress.cache import tag_layer
+
+    keys, values = layer.keys, layer.values
+    rows = keys.shape[-2]
+    more = torch.randn(*keys.shape[:2], count, keys.shape[-1], device=keys.device).to(keys.dtype)
+    grown_keys, grown_values = layer.update(more, torch.randn_like(more, dtype=torch.float32).to(values.dtype))
+    views = []
+    for extra in range(1, count + 1):
+        view = grown_keys[:, :, : rows + extra]
+        tag_layer(view, layer)
+        views.append((view, grown_values[:, :, : rows + extra]))
+    low, high, _ = layer.clip_range(rows + count)
+    position = [0]
+
+    def step() -> Any:
+        k, v = views[position[0] % count]
+        position[0] += 1
+        layer._range = (low, high, k.shape[-2] - 1)
+        return call_over(k, v)
+
+    return step
+
+
 def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, notes: Notes) -> list[dict[str, Any]]:
     """One layer's attention call of a decode step on ``cache`` (after its decode steps): from Python, and replayed
     in a CUDA graph (CUDA only). ``host_s``: wall time per call issued back to back (the same rows every call, so
     the clip range folds in no new row); for ``ours/eager`` also ``host_step_s``, the same with the clip range
-    folding in one row per call as a decode step's does (its 3 launches); on CUDA also ``host_python_s``, the same
-    with the Triton launches skipped (the rest of ``host_s`` is Triton's launcher), and ``python_NAME_s`` /
-    ``host_NAME_s`` for each of ``LAUNCH_SWITCHES``: the splits merged in the split kernel (one launch instead of
-    two), the launches without Triton's per-call binding, and both."""
+    folding in one row per call as a decode step's does (its 3 launches), and ``host_grow_s``, the calls over a
+    cache one row longer each (a dynamic cache's step: new shapes every call, the launch plan's cache misses); on
+    CUDA also ``host_python_s``, the same with the Triton launches skipped (the rest of ``host_s`` is Triton's
+    launcher), and ``python_NAME_s`` / ``host_NAME_s`` for each of ``LAUNCH_SWITCHES``: the splits merged in the
+    split kernel (one launch instead of two), the launches without Triton's per-call binding, and both."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     module = model.model.layers[cfg.attention_layer].self_attn
@@ -197,8 +226,11 @@ def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, 
     query = query.to(keys.dtype)
     attention = ALL_ATTENTION_FUNCTIONS["kvcompress" if variant.startswith("ours") else "sdpa"]
 
+    def call_over(k: torch.Tensor, v: torch.Tensor) -> Any:
+        return attention(module, query, k, v, None, dropout=0.0, scaling=module.scaling)[0]
+
     def call() -> Any:
-        return attention(module, query, keys, values, None, dropout=0.0, scaling=module.scaling)[0]
+        return call_over(keys, values)
 
     def host_seconds(fn: Callable[[], Any] = call) -> float:
         """Seconds per call issued back to back, no sync: the host's cost per call while the GPU queue runs."""
@@ -216,6 +248,11 @@ def time_layer_attention(model, cache, variant: str, cfg: Config, clock: Clock, 
         row["host_s"] = host_seconds()
         if variant == "ours/eager":
             row["host_step_s"] = host_seconds(_folding_one_row(layer, call))
+            rows = keys.shape[-2]
+            try:
+                row["host_grow_s"] = host_seconds(_one_row_longer_each_call(layer, call_over, cfg.repeats))
+            finally:
+                layer.crop(rows)
         if variant == "ours/eager" and clock.cuda:
             from kvcompress.kernels import weighted_decode
 
@@ -330,7 +367,7 @@ def format_decode(section: dict[str, Any]) -> str:
     ]  # fmt: skip
     calls = [
         [r["variant"], r["context"], r["batch"], r["rows"], us(r.get("python_s")), us(r.get("host_s")),
-         us(r.get("host_step_s")), us(r.get("host_python_s")),
+         us(r.get("host_step_s")), us(r.get("host_grow_s")), us(r.get("host_python_s")),
          *[us(r.get(f"{kind}_{name}_s")) for name in LAUNCH_SWITCHES
                                         for kind in ("python", "host")],
          us(r.get("cuda_graph_s")), r.get("error", "")]
@@ -358,7 +395,7 @@ def format_decode(section: dict[str, Any]) -> str:
                 "\n[decode] one layer's attention call (us): from Python (device time per call, and host time per call"
                 " issued back to back), and replayed in a CUDA graph",
                 ["variant", "context", "batch", "rows", "python us", "host us", "host us folding a row",
-                 "host us without launches",
+                 "host us a row longer each call", "host us without launches",
                  *[f"{kind} us {LAUNCH_LABELS[name]}" for name in LAUNCH_SWITCHES for kind in ("python", "host")],
                  "cuda graph us", "error"],
                 calls,

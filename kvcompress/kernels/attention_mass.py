@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.launch import dot_in_fp32
+from kvcompress.kernels.launch import cdiv, dot_in_fp32, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
 
@@ -173,7 +173,7 @@ def launch_config(
 ) -> tuple[dict, dict]:
     """Launch options (constexprs, warps, stages) of the two passes for head dim ``dim`` and input ``dtype``;
     ``block_r`` / ``block_n`` (powers of two >= 16) override the tiles (tests, tuning)."""
-    block_d = max(16, triton.next_power_of_2(dim))
+    block_d = max(16, next_power_of_2(dim))
     wide = block_d > 128
     if dtype == torch.float32:  # FMA dots: tiles small enough not to spill registers on sm_90 (eval.compile_kernels)
         block_r, block_n1, block_n2, warps = block_r or 16, block_n or 16, block_n or 16, 4
@@ -221,7 +221,7 @@ def _row_lse_log2(queries, keys, pos_t, mask_t, common, rows_pass) -> torch.Tens
     after the other, each over the m queries; ``+inf`` for a row that sees no key)."""
     batch, heads_kv, rows = queries.shape[0], keys.shape[1], common[3]
     lse = torch.empty(batch * heads_kv, rows, dtype=torch.float32, device=queries.device)
-    _row_lse_kernel[(batch * heads_kv, triton.cdiv(rows, rows_pass["BLOCK_R"]))](
+    _row_lse_kernel[(batch * heads_kv, cdiv(rows, rows_pass["BLOCK_R"]))](
         queries, keys, pos_t, mask_t, lse, *common, **rows_pass
     )
     return lse
@@ -275,7 +275,7 @@ def attention_mass_kernel(
     else:  # rows of a KV head: its group's query heads one after the other, each over the m queries; log2 units
         lse = (row_lse.to(device=queries.device, dtype=torch.float32) * LOG2E).reshape(batch * heads_kv, -1)
     out = torch.empty(batch, heads_kv, n, dtype=torch.float32, device=queries.device)
-    _column_kernel[(batch * heads_kv, triton.cdiv(n, column_pass["BLOCK_N"]))](
+    _column_kernel[(batch * heads_kv, cdiv(n, column_pass["BLOCK_N"]))](
         queries, keys, pos_t, mask_t, lse, out, *common, **column_pass
     )
     return out

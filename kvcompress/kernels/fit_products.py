@@ -34,7 +34,14 @@ import triton
 import triton.language as tl
 
 from kvcompress.attention import merge_partial_attentions
-from kvcompress.kernels.launch import choose_num_splits, dot_in_fp32, sm_count, whole_tile_splits
+from kvcompress.kernels.launch import (
+    cdiv,
+    choose_num_splits,
+    dot_in_fp32,
+    next_power_of_2,
+    sm_count,
+    whole_tile_splits,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw when these kernels were defined
 
@@ -204,8 +211,8 @@ def rows_config(
     """Launch options of :func:`attention_rows` (its kernel's constexprs, warps and stages) for these sizes;
     ``block_m`` / ``block_n`` (powers of two >= 16), ``num_warps`` and ``num_stages`` override them (tests, tile
     sweeps: ``python -m eval.bench_fit --kernel-tiles``)."""
-    block_d = max(16, triton.next_power_of_2(dim))
-    block_dv = max(16, triton.next_power_of_2(d_v))
+    block_d = max(16, next_power_of_2(dim))
+    block_dv = max(16, next_power_of_2(d_v))
     # Tiles without register spills on sm_90 (``python -m eval.compile_kernels``): the fp32 probabilities and values
     # of the TF32 output product need more registers than FlashAttention's 16-bit ones.
     # 16-bit up to head dim 128: the fastest of an H200's sweep at d = 128 and 32k keys (``--kernel-tiles``, the
@@ -228,9 +235,9 @@ def products_config(
 ) -> dict:  # fmt: skip
     """Launch options of :func:`block_sums` for these sizes; ``block_m`` (the row tile), ``num_warps`` and
     ``num_stages`` override them (tests, tile sweeps)."""
-    block_d = max(16, triton.next_power_of_2(dim))
-    block_s = max(16, triton.next_power_of_2(span))
-    block_w = max(16, triton.next_power_of_2(width))
+    block_d = max(16, next_power_of_2(dim))
+    block_s = max(16, next_power_of_2(span))
+    block_w = max(16, next_power_of_2(width))
     dot_fp32, precision = _modes(dtype)
     # Float32: 16 rows and 16 warps (8-24 B a thread spilled on sm_90, ``python -m eval.compile_kernels``; its FMA
     # products with the values spilled 2-7 KB at 8 warps). 16-bit up to head dim 128: 16 rows and 4 warps, no spills,
@@ -286,7 +293,7 @@ def attention_rows(
     problems, m, dim = queries.shape
     n, d_v = keys.shape[1], values.shape[-1]
     config = rows_config(dim, d_v, queries.dtype, positions is not None, block_m, block_n, num_warps, num_stages)
-    row_blocks, block_n = triton.cdiv(m, config["BLOCK_M"]), config["BLOCK_N"]
+    row_blocks, block_n = cdiv(m, config["BLOCK_M"]), config["BLOCK_N"]
     splits = splits or key_splits(problems, row_blocks, n, block_n, queries.device)
     split_keys, splits = whole_tile_splits(n, splits, block_n)
     lse = torch.empty(splits, problems, m, dtype=torch.float32, device=queries.device)

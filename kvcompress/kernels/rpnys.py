@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.launch import next_power_of_2
 from kvcompress.lambert import RHO0
 from kvcompress.nystrom import FLOAT32_SPREAD
 
@@ -249,11 +250,11 @@ def launch_options(n: int, dim: int, dim_v: int, rank: int, bins: int, has_radiu
     """The kernel's constexprs and launch options for ``rank`` pivots over ``bins`` bins of an ``n``-row problem:
     what :func:`rpnys_compress` passes, and what ``eval.compile_kernels`` compiles for a GPU without one."""
     per_bin = rank // bins
-    block_l = max(16, triton.next_power_of_2(-(-n // bins)))
-    block_d, block_dv = max(16, triton.next_power_of_2(dim)), max(16, triton.next_power_of_2(dim_v))
+    block_l = max(16, next_power_of_2(-(-n // bins)))
+    block_d, block_dv = max(16, next_power_of_2(dim)), max(16, next_power_of_2(dim_v))
     tile = block_l * max(block_d, block_dv)
     return dict(
-        K=per_bin, BLOCK_K=max(16, triton.next_power_of_2(per_bin)), BLOCK_L=block_l, BLOCK_D=block_d,
+        K=per_bin, BLOCK_K=max(16, next_power_of_2(per_bin)), BLOCK_L=block_l, BLOCK_D=block_d,
         BLOCK_DV=block_dv, HAS_QR=has_radius, FLOOR=EXHAUSTED, SPREAD=FLOAT32_SPREAD,
         num_warps=4 if tile <= 4096 else 8 if tile <= 16384 else 16, num_stages=1,
     )  # fmt: skip

@@ -363,16 +363,16 @@ def weighted_decode_attention(
     split_args = (
         queries, keys, values, weights, lo_t, hi_t, mask_t, out, mpart, dpart, npart, offset_t,
         locks if fused else dummy_mask, fold_t,
-        heads_kv, heads_q // heads_kv, plan.n_read, plan.rows, m, plan.split_len, plan.causal_offset,
+        heads_kv, heads_q // heads_kv, plan.n_read, plan.tiles.rows, m, plan.split_len, plan.causal_offset,
         scaling * LOG2E, fold_lo, fold_hi,
         *queries.stride(), *keys.stride(), *values.stride(), *weights.stride(), *lo_t.stride(), *hi_t.stride(),
         *mask_t.stride(), offset_t.stride(0) if offset_t.shape[0] > 1 else 0,
     )  # fmt: skip
     launch(_weighted_split_kernel, plan.grid, split_args, split_options, cached=CACHED_LAUNCH)
     if not final and not fused:
-        reduce_args = (mpart, dpart, npart, lo_t, hi_t, out, values, mask_t, fold_t, heads_kv, plan.rows,
+        reduce_args = (mpart, dpart, npart, lo_t, hi_t, out, values, mask_t, fold_t, heads_kv, plan.tiles.rows,
                        plan.num_splits, fold_lo, fold_hi, *lo_t.stride(), *hi_t.stride(), *values.stride(),
                        *mask_t.stride())  # fmt: skip
-        launch(_weighted_decode_reduce_kernel, (batch * heads_kv * plan.rows,), reduce_args, reduce_options,
+        launch(_weighted_decode_reduce_kernel, (batch * heads_kv * plan.tiles.rows,), reduce_args, reduce_options,
                cached=CACHED_LAUNCH)  # fmt: skip
     return out

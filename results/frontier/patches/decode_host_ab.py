@@ -1,6 +1,6 @@
 """Host time of the eager attention call, this checkout against another commit, in one process (docs/BENCHMARKS.md,
 "The clip range folded inside the kernel"): ``python results/frontier/patches/decode_host_ab.py --base REV
-[--fold] [--rounds 21]``.
+[--fold | --grow] [--rounds 21]``.
 
 The other commit's ``kvcompress/`` is extracted with ``git archive`` into a temporary directory and renamed
 ``kvbase`` (imports, the attention function's registered name and the custom op's namespace), so both versions run
@@ -10,6 +10,9 @@ function is called for one query over the same rows through the Triton launcher 
 kernels' launches replaced by no-ops. Rounds of 500 calls alternate between the two versions; the paired ratio
 (this checkout over the other) is what the machine's drift does not move. ``--fold``: before each call the layer's
 clip range is set one row back, so each call folds a row in, as a real decode step's first call per layer does.
+``--grow``: the calls of a round run over 500 caches one row longer each (views of one cache that 500 rows more were
+appended to, each tagged as the layer's), each folding its last row in: a real decode step's call, whose row count and
+causal offset are new every step (the launch plan's cache misses), where the other modes repeat one shape.
 """
 
 from __future__ import annotations
@@ -80,6 +83,24 @@ def calls(package: str):
     hf.weighted_attention_unchecked = through_the_launcher
     skipped = mock.patch.multiple(decode, _weighted_split_kernel=_Skipped(), _weighted_decode_reduce_kernel=_Skipped())
     low, high, covered = layer._range
+    grown_keys, grown_values = layer.update(torch.randn(1, 2, 500, 32, generator=gen),
+                                            torch.randn(1, 2, 500, 32, generator=gen))  # fmt: skip
+    rows = keys.shape[2]
+    views = []
+    for extra in range(500):  # one row longer each: a decode step's new shape
+        k, v = grown_keys[:, :, : rows + extra], grown_values[:, :, : rows + extra]
+        root.cache.tag_layer(k, layer)
+        views.append((k, v))
+    grown = iter(())
+
+    def growing():
+        nonlocal grown
+        view = next(grown, None)
+        if view is None:
+            grown = iter(views)
+            view = next(grown)
+        layer._range = (low, high, view[0].shape[2] - 1)
+        return hf.kvcompress_attention(module, query, *view, None, scaling=None)
 
     def call():
         return hf.kvcompress_attention(module, query, keys, values, None, scaling=None)
@@ -88,13 +109,14 @@ def calls(package: str):
         layer._range = (low, high, covered - 1)
         return call()
 
-    return call, folding, skipped
+    return call, folding, growing, skipped
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the commit to compare against (e.g. HEAD~1)")
     p.add_argument("--fold", action="store_true", help="each call folds one new row into the clip range")
+    p.add_argument("--grow", action="store_true", help="each call over a cache one row longer, folding that row")
     p.add_argument("--rounds", type=int, default=21)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -104,15 +126,15 @@ def main() -> None:
         versions = {name: calls(package) for name, package in (("this", "kvcompress"), ("base", "kvbase"))}
         timings = {name: [] for name in versions}
         for _ in range(args.rounds + 1):  # the first round warms up
-            for name, (call, folding, skipped) in versions.items():
-                run = folding if args.fold else call
+            for name, (call, folding, growing, skipped) in versions.items():
+                run = growing if args.grow else folding if args.fold else call
                 with skipped:
                     start = time.perf_counter()
                     for _ in range(500):
                         run()
                     timings[name].append((time.perf_counter() - start) / 500 * 1e6)
     ratios = [a / b for a, b in zip(timings["this"][1:], timings["base"][1:], strict=True)]
-    label = "folding a row" if args.fold else "no row to fold"
+    label = "a cache one row longer each call" if args.grow else "folding a row" if args.fold else "no row to fold"
     print(f"{label}: this {statistics.median(timings['this'][1:]):.1f} us, {args.base} "
           f"{statistics.median(timings['base'][1:]):.1f} us a call (medians of {args.rounds} rounds of 500); paired "
           f"ratio median {statistics.median(ratios):.3f} [min {min(ratios):.3f}, max {max(ratios):.3f}]")  # fmt: skip
