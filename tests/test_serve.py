@@ -220,8 +220,9 @@ def test_logprobs_are_the_models_own_over_the_compressed_context(pipe):
             for step, (p, token) in enumerate(zip(logprobs, generated, strict=True)):
                 assert abs(p.logprob - float(expected[step, token])) < 1e-4, step
                 best = expected[step].topk(3)
-                assert [v for _, v in p.top] == pytest.approx(best.values.tolist(), abs=1e-4)
-                assert [t for t, _ in p.top] == [tokenizer.decode([i]) for i in best.indices.tolist()]
+                assert [v for _, v, _ in p.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+                assert [t for t, _, _ in p.top] == [tokenizer.decode([i]) for i in best.indices.tolist()]
+                assert p.token_bytes.decode("utf-8", "replace") == p.token
 
             stopped_events, stopped_job = runs[("stop",)]
             stopped_text = "".join(e[1] for e in stopped_events if e[0] == "text")
@@ -426,6 +427,15 @@ BAD_INPUTS = [  # (body, status, param)
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
      "response_format"),
+    # once answered with a 500 (int() refuses more than 4300 digits), or taken as an empty question
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"0" * 4400 + "5": 1}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"9" * 5001: 1}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "A text."}, {"type": "text", "text": ""}]}]},
+     400, "messages"),
+    # more rows than the memory budget holds, within the model's context: named as the request named it
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000}, 413, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3000}, 413, "max_completion_tokens"),
 ]
 SERVED_EDGES = [  # in range, once answered with a 500
     {"temperature": 1e-300},
@@ -458,7 +468,7 @@ def test_bad_inputs_get_openai_errors_naming_the_field(server):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, (edge, r.text)
     r = httpx.post(f"{server}/v1/completions", json={"prompt": 7}, headers=headers, timeout=60)
     assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"
-    for auth in ({}, {"Authorization": "Bearer wrong"}):
+    for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sekr\xe9t".encode("latin-1")}):
         r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                        headers=auth, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["param"] == "api_key"
@@ -803,3 +813,41 @@ def test_a_blank_line_server_compresses_a_one_part_message_and_answers_as_the_pi
         assert metric(base, "kvcompress_prefills_total") == 1
         resident = metric(base, "kvcompress_cache_resident_bytes")
         assert 0 < resident < 0.35 * metric(base, "kvcompress_cache_uncompressed_bytes")  # stored at 25% kept
+
+
+def test_token_bytes_are_each_tokens_own_bytes(embedded_dir):
+    """The logprobs' ``bytes``: a token that ends inside a UTF-8 character has its own bytes (its text is U+FFFD), so
+    the tokens' bytes join to the answer's UTF-8, as OpenAI's API defines them."""
+    from transformers import AutoTokenizer
+
+    from kvcompress.serve.sampling import TokenBytes
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    token_bytes = TokenBytes(tokenizer)
+    assert token_bytes.byte_level
+    text = "Repeat: 🎉🎉🎉 日本語, naïve café\n\t<|im_end|> ünïcødé ∑"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    assert sum("\ufffd" in tokenizer.decode([i]) for i in ids) >= 6  # tokens that end inside a character
+
+
+def test_stop_strings_are_not_matched_against_an_unfinished_character():
+    """The text held back as an unfinished UTF-8 character (a trailing U+FFFD) is not text: a stop string of U+FFFD
+    once ended answers there; a real U+FFFD before more text still stops."""
+    from kvcompress.serve.sampling import StopText
+
+    assert StopText(["\ufffd"]).cut("Party \ufffd") == (6, False)
+    assert StopText(["\ufffd"]).cut("a\ufffdb") == (1, True)
+    assert StopText(["ab"]).cut("xa\ufffd") == (1, False)  # "a" may start the stop string: held back too
+    assert StopText(["END"]).cut("done END\ufffd") == (5, True)
+
+
+def test_completions_max_tokens_null_is_the_default():
+    """``max_tokens: null`` on /v1/completions is OpenAI's default (16), as ``n: null`` is 1; before, it lifted the
+    limit to the model's context."""
+    from kvcompress.serve.protocol import CompletionRequest, parse
+
+    assert parse(CompletionRequest, {"prompt": "Count: 1, 2,", "max_tokens": None}).max_tokens == 16
+    assert parse(CompletionRequest, {"prompt": "Count: 1, 2,"}).max_tokens == 16
+    assert parse(CompletionRequest, {"prompt": "Count: 1, 2,", "max_tokens": 40}).max_tokens == 40

@@ -961,6 +961,41 @@ def test_a_requests_choices_are_queued_all_or_none():
         scheduler.stop()
 
 
+def test_requests_whose_clients_left_hold_no_place_in_the_queue():
+    """``--max-queue`` counts live requests: waiting requests whose clients disconnected, anywhere in the queue (not
+    only at its head), no longer turn new clients away with 429; the worker drops them, and the queue depth with
+    them."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvcompress.serve.engine import Job, QueueFull
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.scheduler import Scheduler
+
+    started = threading.Event()
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
+                             batch_row_bytes=100, batch_session_bytes=10, warm_up=started.wait,
+                             batch_capacity=lambda rows: rows, capacity_step=1)  # fmt: skip
+    scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=3)
+    try:  # the worker waits in warm_up: the queue holds what is submitted
+        first, *left = [Job(list(range(40)), [1, 2], max_tokens=5) for _ in range(3)]
+        scheduler.submit([first, *left])
+        with pytest.raises(QueueFull):
+            scheduler.submit([Job(list(range(40)), [1, 2], max_tokens=5)])
+        for job in left:  # behind a live request: not at the queue's head
+            job.cancelled.set()
+        late = [Job(list(range(40)), [1, 2], max_tokens=5) for _ in range(2)]
+        scheduler.submit(late)
+        with pytest.raises(QueueFull):
+            scheduler.submit([Job(list(range(40)), [1, 2], max_tokens=5)])
+        with scheduler._cond:
+            scheduler._drop_cancelled()
+            assert list(scheduler._waiting) == [first, *late]
+    finally:
+        scheduler.stop()
+        started.set()
+
+
 def test_the_batch_capacity_is_each_layers_widest_session_an_estimate_standing_for_every_layer():
     """Sessions reserve rows per layer (a press may give some layers more); a request not yet prefilled is one
     estimate for every layer. The batch's bytes are each layer's capacity times a row's share of every layer."""

@@ -51,7 +51,8 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+        given = token.strip().encode("utf-8", "surrogatepass")  # bytes: compare_digest refuses non-ASCII str
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given, api_key.encode("utf-8", "surrogatepass")):
             raise ApiError(401, "api_key: missing or wrong API key (send 'Authorization: Bearer <key>')",
                            "api_key", "invalid_api_key")
 
@@ -102,8 +103,9 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
                     presence_penalty=float(req.presence_penalty or 0),
                     frequency_penalty=float(req.frequency_penalty or 0)) for i in range(req.n)]
 
-    async def start(jobs: list[Job], prompt_field: str) -> asyncio.Queue:
-        """Submit a request's jobs, all or none; their events arrive on the returned queue."""
+    async def start(jobs: list[Job], prompt_field: str, tokens_field: str = "max_tokens") -> asyncio.Queue:
+        """Submit a request's jobs, all or none; their events arrive on the returned queue. ``prompt_field`` /
+        ``tokens_field``: the request's names for its prompt and its token limit (what an error names)."""
         events: asyncio.Queue = asyncio.Queue()
         for job in jobs:
             job.loop, job.events = asyncio.get_running_loop(), events
@@ -112,8 +114,9 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
         except QueueFull as err:
             raise ApiError(429, f"queue: {err}", "queue", "queue_full", {"Retry-After": str(err.retry_after)}) from None
         except TooLarge as err:
-            param = prompt_field if err.param == "prompt" else err.param
-            message = str(err) if str(err).startswith(param) else f"{param}: {err}"
+            param = {"prompt": prompt_field, "max_tokens": tokens_field}.get(err.param, err.param)
+            message = str(err).removeprefix(f"{err.param}: ")
+            message = f"{param}: {message}"
             raise ApiError(413, message, param, "memory_budget_exceeded") from None
         return events
 
@@ -121,7 +124,9 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         for job in jobs:
             job.rid = rid if len(jobs) == 1 else f"{rid}/{job.index}"
-        events = await start(jobs, "messages" if kind == "chat" else "prompt")
+        chosen = getattr(req, "max_completion_tokens", None) is not None  # chat's newer name for max_tokens
+        tokens_field = "max_completion_tokens" if chosen else "max_tokens"
+        events = await start(jobs, "messages" if kind == "chat" else "prompt", tokens_field)
         if req.stream:
             stream = stream_events(request, jobs, events, rid, kind, req)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -298,11 +303,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def openai_logprobs(logprobs: list[TokenLogprob], kind: str) -> dict:
     """The ``logprobs`` object of a choice: chat's ``content`` list, or the completions API's parallel lists."""
     if kind == "chat":
-        return {"content": [{"token": p.token, "logprob": p.logprob, "bytes": list(p.token.encode()),
-                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in p.top]}
+        return {"content": [{"token": p.token, "logprob": p.logprob, "bytes": list(p.token_bytes),
+                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, v, b in p.top]}
                             for p in logprobs], "refusal": None}
     return {"tokens": [p.token for p in logprobs], "token_logprobs": [p.logprob for p in logprobs],
-            "top_logprobs": [dict(p.top) for p in logprobs], "text_offset": [p.offset for p in logprobs]}
+            "top_logprobs": [{t: v for t, v, _ in p.top} for p in logprobs],
+            "text_offset": [p.offset for p in logprobs]}
 
 
 def error_response(err: ApiError) -> JSONResponse:

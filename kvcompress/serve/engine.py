@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.serve.batch import STATIC_CAPACITY_STEP, RowSource, batch_capacity, build, session_rows
 from kvcompress.serve.metrics import ServerMetrics
-from kvcompress.serve.sampling import StopText, sample
+from kvcompress.serve.sampling import StopText, TokenBytes, sample
 from kvcompress.serve.step import compiled_forward, decode_step, warm_up
 from kvcompress.serve.store import ContextStore, answer_view
 
@@ -98,13 +98,15 @@ class Job:
 @dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's log probability under the model (its raw next-token distribution: before temperature
-    and top_p), its text, where that text starts in the answer, and the ``top`` likeliest tokens as (text, logprob)."""
+    and top_p), its text and bytes (:class:`~kvcompress.serve.sampling.TokenBytes`), where that text starts in the
+    answer, and the ``top`` likeliest tokens as (text, logprob, bytes)."""
 
     token_id: int
     token: str
     logprob: float
     offset: int
-    top: tuple[tuple[str, float], ...]
+    top: tuple[tuple[str, float, bytes], ...]
+    token_bytes: bytes = b""
 
 
 @dataclass
@@ -139,6 +141,7 @@ class Engine:
         from kvcompress.serve.scheduler import DECODE_PER_PREFILL, Scheduler
 
         self.model, self.tokenizer, self.press = model, tokenizer, press
+        self.token_bytes = TokenBytes(tokenizer)
         self.model_name, self.press_label = model_name, press_label
         self.store, self.metrics = store, metrics
         self.prefix_min_fraction = prefix_min_fraction
@@ -372,8 +375,10 @@ class Engine:
         logprobs = torch.log_softmax(logits.detach().double().cpu(), -1)
         best = logprobs.topk(top) if top else None
         alternatives = () if best is None else tuple(
-            (self.tokenizer.decode([i]), v) for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True))
-        return TokenLogprob(token, self.tokenizer.decode([token]), float(logprobs[token]), offset, alternatives)
+            (self.tokenizer.decode([i]), v, self.token_bytes(i))
+            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True))
+        return TokenLogprob(token, self.tokenizer.decode([token]), float(logprobs[token]), offset, alternatives,
+                            self.token_bytes(token))
 
     @staticmethod
     def sent_logprobs(session: Session, sent: int | None, cut: bool = False) -> list[TokenLogprob] | None:

@@ -28,6 +28,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none: up to the context)
+
+
 class _Schema(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields this server does not use
 
@@ -98,7 +101,7 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr]
-    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    max_tokens: StrictInt | None = COMPLETION_MAX_TOKENS
     logprobs: StrictInt | None = None  # k: each token's log probability and its k likeliest alternatives'
 
 
@@ -150,8 +153,11 @@ def check_values(request: _Sampling) -> None:
         if request.messages[-1].role != "user":
             raise ApiError(400, "messages: the last message must be from the user (the question to answer), got "
                                 f"{request.messages[-1].role!r}", "messages")
-        if not request.messages[-1].content:
-            raise ApiError(400, "messages: the last message must hold the question's text, got no text part",
+        last = request.messages[-1].content
+        question = last if isinstance(last, str) else last[-1].text if last else None
+        if not question:  # the last text part is the question (kvpress's pipeline protocol)
+            got = "no text part" if question is None else "an empty one"
+            raise ApiError(400, f"messages: the last message must end with the question's text, got {got}",
                            "messages")
         for i, message in enumerate(request.messages):
             check_text(f"messages[{i}].content", message.text())
@@ -164,6 +170,8 @@ def check_values(request: _Sampling) -> None:
                 raise ApiError(400, f"prompt: this server takes one prompt per request, got {count}", "prompt")
             request.prompt = request.prompt[0]
         check_text("prompt", request.prompt)
+        if request.max_tokens is None:  # null: the default, as for n
+            request.max_tokens = COMPLETION_MAX_TOKENS
     for name, value in (request.model_extra or {}).items():
         if name in UNSUPPORTED and not UNSUPPORTED[name][0](value):
             raise ApiError(400, f"{name}: {UNSUPPORTED[name][1]}; leave it unset (got {value!r})"[:500], name)
@@ -196,9 +204,10 @@ def check_values(request: _Sampling) -> None:
     if len(bias) > MAX_LOGIT_BIAS:
         raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or not -100 <= value <= 100:
-            raise ApiError(400, f"logit_bias: maps token ids (decimal strings) to a bias in [-100, 100], got "
-                                f"{key!r}: {value!r}"[:300], "logit_bias")
+        # at most 20 digits: int() of a longer string can raise (Python's 4300-digit limit), and no vocabulary is near
+        if not (key.isascii() and key.isdigit() and len(key) <= 20) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias: maps token ids (decimal strings of at most 20 digits) to a bias in "
+                                f"[-100, 100], got {key!r}: {value!r}"[:300], "logit_bias")
     if not 1 <= request.n <= MAX_CHOICES:
         raise ApiError(400, f"n: must be an integer in [1, {MAX_CHOICES}] (choices per request), got {request.n}", "n")
     stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])

@@ -1,8 +1,61 @@
-"""Choosing each next token (greedy, temperature, top-p) and cutting the streamed text at stop strings."""
+"""Choosing each next token (greedy, temperature, top-p), cutting the streamed text at stop strings, and a token's
+bytes (what the logprobs report)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is a printable character, itself where it is one (``!``-``~``,
+    ``¡``-``¬``, ``®``-``ÿ``), else the next code point from 256 on, in byte order. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {byte: chr(byte) for byte in printable}
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + len(chars) - len(printable))
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
+
+
+class TokenBytes:
+    """``token_bytes(token_id)``: the token's own bytes, OpenAI's logprobs ``bytes`` (a token that ends inside a
+    UTF-8 character has its piece of it, where its decoded text is U+FFFD). Byte-level BPE tokenizers (GPT-2,
+    Llama 3, Qwen, SmolLM; found by a probe text whose tokens map back to its UTF-8) map each character back to its
+    byte; SentencePiece's ``<0xHH>`` tokens are that byte; any other token is its decoded text's UTF-8."""
+
+    PROBE = "Hi there,\n\tcafé 日本語 🎉!"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        ids = tokenizer.encode(self.PROBE, add_special_tokens=False)
+        self.byte_level = self._byte_level(ids) == self.PROBE.encode()
+
+    def _byte_level(self, ids: list[int]) -> bytes | None:
+        out = bytearray()
+        for piece in self.tokenizer.convert_ids_to_tokens(ids):
+            for char in piece or "":
+                byte = _BYTE_LEVEL.get(char)
+                if byte is None:
+                    return None
+                out.append(byte)
+        return bytes(out)
+
+    def __call__(self, token_id: int) -> bytes:
+        if self.byte_level:
+            raw = self._byte_level([token_id])
+            if raw is not None:
+                return raw
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        byte = _BYTE_FALLBACK.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        return self.tokenizer.decode([token_id]).encode("utf-8", "surrogatepass")
 
 
 class StopText:
@@ -14,15 +67,16 @@ class StopText:
         self.stopped = False
 
     def cut(self, text: str) -> tuple[int, bool]:
+        safe = len(text)
+        while safe > 0 and text[safe - 1] == "\ufffd":  # an unfinished UTF-8 character: not text yet
+            safe -= 1
+        text = text[:safe]
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
             return min(hits), True
-        safe = len(text)
-        while safe > 0 and text[safe - 1] == "\ufffd":
-            safe -= 1
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
+            for k in range(min(len(s) - 1, safe), 0, -1):
                 if text.endswith(s[:k]):
                     safe = min(safe, len(text) - k)
                     break

@@ -95,11 +95,13 @@ class Scheduler:
         for job in jobs:
             self._check_size(job)
         with self._cond:
-            if len(self._waiting) + len(jobs) > self.max_queue:
-                wait = math.ceil(len(self._waiting) * self._seconds_per_request / self.max_batch)
+            # requests whose client has gone hold no place (the worker drops them: it alone takes from the queue)
+            live = sum(not job.cancelled.is_set() for job in self._waiting)
+            if live + len(jobs) > self.max_queue:
+                wait = math.ceil(live * self._seconds_per_request / self.max_batch)
                 raise QueueFull(max(1, wait), "the queue of waiting requests is full")
             self._waiting.extend(jobs)
-            waiting = len(self._waiting)
+            waiting = live + len(jobs)
             self._cond.notify()
         self.metrics.queue_depth.set(waiting)
         for job in jobs:
@@ -201,7 +203,17 @@ class Scheduler:
         self.metrics.resident.labels(kind="active").set(self.batch.nbytes() if self.batch is not None else 0)
         self.metrics.running.set(len(self.active))
         with self._cond:
+            self._drop_cancelled()
             self.metrics.queue_depth.set(len(self._waiting))
+
+    def _drop_cancelled(self) -> None:
+        """Forget every waiting request whose client has gone, anywhere in the queue (one behind a live request
+        would count in ``queue_depth``). The worker's thread only, under ``self._cond``: the worker takes a job it
+        chose out of the queue later, so nothing else may remove one."""
+        if any(job.cancelled.is_set() for job in self._waiting):
+            kept = [job for job in self._waiting if not job.cancelled.is_set()]
+            self.metrics.cancelled.inc(len(self._waiting) - len(kept))
+            self._waiting = deque(kept)
 
     # -- the worker --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -236,9 +248,7 @@ class Scheduler:
         request starves."""
         cold_ok = self._may_prefill(joining)
         with self._cond:
-            while self._waiting and self._waiting[0].cancelled.is_set():
-                self._waiting.popleft()
-                self.metrics.cancelled.inc()
+            self._drop_cancelled()
             jobs = list(self._waiting)
         for job in jobs:
             if job.cancelled.is_set():
