@@ -121,6 +121,8 @@ def launch_plan(
                  block_n, block_r, interpret)  # fmt: skip
     tiles = _TILES.get(tiles_key)
     if tiles is None:
+        if len(_TILES) >= _CACHE_LIMIT:
+            _TILES.clear()
         tiles = _TILES[tiles_key] = plan_tiles(queries, keys.shape[1], values.shape[3], block_n, block_r, interpret)
     m, n = queries.shape[2], keys.shape[2]
     # Keys past causal_offset + m - 1 are invisible to every row: never read them (a device offset: plan all n,
@@ -162,8 +164,6 @@ def plan_tiles(
     row_blocks = cdiv(rows, block_r)
     if block_n is None:
         block_n = 32 if wide or fp32 else 64
-    if len(_TILES) >= _CACHE_LIMIT:
-        _TILES.clear()
     return Tiles(
         rows=rows,
         row_blocks=row_blocks,
