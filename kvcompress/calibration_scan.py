@@ -26,7 +26,9 @@ the qa and multi-key answers lost at 2048 tokens are mostly layer 7's, at 1024 t
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -179,6 +181,20 @@ def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts
     return Calibration(name, shape, retrieval, drops, settings, full, gains, full_settings)
 
 
+def unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (its folder made if missing), or None."""
+    if path.is_dir():
+        return f"{path} is a directory; name a file (e.g. {path / 'model.json'})"
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    return None
+
+
 def main(argv: list[str]) -> int:
     """``kvcompress calibrate``: scan a model, print each layer's drop, file the calibration; exit 2 on bad flags."""
     import argparse
@@ -204,18 +220,18 @@ def main(argv: list[str]) -> int:
                    help="also scan for the layers the answers need whole (CompressKVPress(full_layers='auto')) at "
                         "these context lengths (e.g. 1024 2048, up to the longest your contexts reach; one short "
                         "forward per layer and expected answer); default: no such scan")  # fmt: skip
-    p.add_argument("--full-task", nargs="+", default=["qa"], choices=sorted(TASKS), metavar="TASK",
+    p.add_argument("--full-task", nargs="+", default=None, choices=sorted(TASKS), metavar="TASK",
                    help="RULER-style tasks of that scan (default qa: facts asked about a document); with several, "
                         "each layer's share of each task's gain, averaged over the tasks. Choices: "
                         + ", ".join(sorted(TASKS)))  # fmt: skip
-    p.add_argument("--full-ratio", type=float, default=0.5, help="KEPT fraction of that scan (default 0.5)")
-    p.add_argument("--full-share", type=float, default=FULL_SHARE,
+    p.add_argument("--full-ratio", type=float, default=None, help="KEPT fraction of that scan (default 0.5)")
+    p.add_argument("--full-share", type=float, default=None,
                    help="a layer kept whole recovers at least this share of the uncompressed cache's answer log-prob "
                         f"gain at its length (default {FULL_SHARE})")  # fmt: skip
-    p.add_argument("--full-cover", type=float, default=FULL_COVER,
+    p.add_argument("--full-cover", type=float, default=None,
                    help="at each length, layers are kept whole until together they recover this share of that gain "
                         f"(default {FULL_COVER})")  # fmt: skip
-    p.add_argument("--full-most", type=int, default=FULL_MOST,
+    p.add_argument("--full-most", type=int, default=None,
                    help=f"at most this many layers kept whole at a length (default {FULL_MOST})")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="default auto: cuda if torch sees a GPU")
@@ -223,6 +239,14 @@ def main(argv: list[str]) -> int:
                    help="model weights and cache (default auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
+    scan = {"--full-task": ("full_task", ["qa"]), "--full-ratio": ("full_ratio", 0.5),
+            "--full-share": ("full_share", FULL_SHARE), "--full-cover": ("full_cover", FULL_COVER),
+            "--full-most": ("full_most", FULL_MOST)}  # fmt: skip
+    for flag, (name, default) in scan.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif not args.full_lengths:
+            p.error(f"{flag}: sets the scan for layers kept whole, which runs only with --full-lengths")
     if not 0 < args.ratio < 1:
         p.error(f"--ratio: must be in (0, 1), got {args.ratio}")
     if not 0 < args.full_ratio < 1:
@@ -241,9 +265,17 @@ def main(argv: list[str]) -> int:
 
     from kvcompress.models import load_model, resolve_device_dtype
 
+    try:
+        device, dtype = resolve_device_dtype(args.device, args.dtype)
+    except ValueError as err:
+        p.error(str(err))
+    output = Path(args.output) if args.output else None
+    if output is not None:  # found before the scan, which takes minutes to hours, not after it
+        problem = unwritable(output)
+        if problem:
+            p.error(f"--output: {problem}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype), device=device)
     except (OSError, ValueError, ImportError) as err:
@@ -258,7 +290,10 @@ def main(argv: list[str]) -> int:
     except ValueError as err:  # a length too short for the task
         print(f"kvcompress calibrate: error: {err}", file=sys.stderr)
         return 2
-    path = found.save(args.output or user_directory() / file_name(found.model))  # filed first: the scan took long
+    try:
+        path, status = found.save(output or user_directory() / file_name(found.model)), 0  # filed first: a long scan
+    except OSError as err:  # the table below still shows what was found
+        path, status = f"nowhere ({type(err).__name__}: {err}; --output names another file)", 1
     print("layer  needle log-prob lost (nats) with the priors off there")
     for layer, drop in enumerate(found.drops):
         mark = "  <- retrieval layer" if layer in found.retrieval_layers else ""
@@ -277,4 +312,4 @@ def main(argv: list[str]) -> int:
             print(f"{layer:5d}  {shown}{mark}")
     kept_whole = f", layers kept whole {describe_full(found.full_layers)}" if found.full_settings else ""
     print(f"retrieval layers {list(found.retrieval_layers)}{kept_whole} filed in {path}")
-    return 0
+    return status

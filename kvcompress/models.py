@@ -125,7 +125,10 @@ def resolve_model_name(name: str | None) -> str:
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
     """The ``--device`` / ``--dtype`` flags as they resolve here: ``auto`` device is cuda where torch sees a GPU, else
-    cpu; ``auto`` dtype is bfloat16 on cuda, float32 on cpu."""
+    cpu; ``auto`` dtype is bfloat16 on cuda, float32 on cpu. ``ValueError`` naming ``--device`` for cuda where torch
+    sees no GPU (before any model is loaded)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but torch sees no GPU (use --device cpu or auto)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     return device, dtype if dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 

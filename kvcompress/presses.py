@@ -25,12 +25,14 @@ from kvcompress.reference import (
     record_prefill,
     spread_pieces,
 )
-from kvcompress.weighted_press import RowPlan, WeightedSubsetPress, logger
+from kvcompress.weighted_press import RowPlan, WeightedSubsetPress, logger, split_budget
 
 SELECTIONS = ("attention", "hybrid", "rpnys")
 SCORE_POOLINGS = ("sum", "max")
 FITS = ("none", "weights", "values")
 REPEAT_PIECES = ("spread", "novel")
+
+MIN_PAYING_ROWS = 3  # the fewest rows a layer paying for wider ones keeps in the budget (its first token among them)
 
 
 @dataclass
@@ -308,7 +310,10 @@ class CompressKVPress(WeightedSubsetPress):
 
     def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
         """The whole middle in ``full_layers``, ``retrieval_rows`` times the uniform middle in ``retrieval_layers``;
-        each other full-attention layer gives up an equal share of the rows they gain (at least one middle row left)."""
+        each other full-attention layer gives up an equal share of the rows they gain, its sink and window shrinking
+        as a short context's where that leaves no middle row (:func:`split_budget`), so the cache keeps its budget.
+        A layer that would keep fewer than ``MIN_PAYING_ROWS`` keeps its sink, window and one middle row instead,
+        over the budget, with a warning."""
         full = self.full_layers_at(plan.tokens) if plan is not None else ()
         if plan is None or not (self._retrieval or full):
             return plan
@@ -321,14 +326,15 @@ class CompressKVPress(WeightedSubsetPress):
         else:
             others = sum(window is None for window in self._windows) - len(self._retrieval) - len(full)
             gained = (wider - plan.middle) * len(self._retrieval) + (span - plan.middle) * len(full)
-            middle = plan.middle - round(gained / others)
-            if middle < 1:
-                logger.warning_once(
-                    f"{type(self).__name__}: the layers outside retrieval_layers and full_layers cannot pay for them "
-                    f"at compression_ratio={self.compression_ratio} (each keeps one middle row): the cache holds more "
-                    "rows than the budget; name fewer layers or keep more"
-                )
-                middle = 1
+            budget = plan.rows - round(gained / others)
+            if budget >= MIN_PAYING_ROWS:  # short of a middle row: its sink and window shrink, as a short context's
+                return split_budget(plan.tokens, budget, plan.sink, plan.window)
+            logger.warning_once(
+                f"{type(self).__name__}: the layers outside retrieval_layers and full_layers cannot pay for them "
+                f"at compression_ratio={self.compression_ratio} (each keeps one middle row): the cache holds more "
+                "rows than the budget; name fewer layers or keep more"
+            )
+            middle = 1
         return RowPlan(plan.tokens, plan.sink, plan.window, middle)
 
     def _prior_rows(self, n: int, rows: int) -> int:

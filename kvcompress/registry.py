@@ -8,6 +8,7 @@ module does not import kvpress.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,39 @@ def _kvpress(cls_name: str, **defaults: Any) -> Callable[[float, int], Any]:
     return build
 
 
+@functools.cache
+def _checked_pyramidkv() -> type:
+    """kvpress's ``PyramidKVPress``, refusing at the end of the prefill a cache whose layers it left of different
+    lengths: transformers (5.2) builds one attention mask for all of a cache's layers, so the next forward, the
+    question's, failed deep inside sdpa ("The size of tensor a (287) must match the size of tensor b (295)").
+    Where its budgets meet their floor (e.g. 25% kept of 1k-token contexts), every layer keeps one length: it runs."""
+    import kvpress
+    from kvpress.presses.base_press import is_prefilling
+
+    @dataclass
+    class PyramidKVPress(kvpress.PyramidKVPress):
+        def forward_hook(self, module, input, kwargs, output):
+            prefilling = is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
+            output = super().forward_hook(module, input, kwargs, output)
+            layers = kwargs["past_key_values"].layers
+            if prefilling and module.layer_idx == len(layers) - 1:
+                lengths = sorted({layer.keys.shape[-2] for layer in layers if getattr(layer, "keys", None) is not None})
+                if len(lengths) > 1:
+                    raise ValueError(
+                        f"pyramidkv: kvpress's PyramidKVPress left layers of {lengths[0]} to {lengths[-1]} rows at "
+                        f"compression_ratio={self.compression_ratio}, and transformers' attention takes one mask "
+                        "length for every layer, so the next forward would fail inside sdpa; choose another method "
+                        "or a ratio at which its layers keep one length"
+                    )
+            return output
+
+    return PyramidKVPress
+
+
+def _pyramidkv(ratio: float, seed: int):
+    return _checked_pyramidkv()(compression_ratio=ratio, window_size=64, kernel_size=5, beta=20)
+
+
 def _adakv(ratio: float, seed: int):
     import kvpress
 
@@ -69,7 +103,7 @@ METHODS: dict[str, Method] = {
     "expected_attention": Method("ExpectedAttention", _kvpress("ExpectedAttentionPress")),
     "keydiff": Method("KeyDiff", _kvpress("KeyDiffPress")),
     "tova": Method("TOVA", _kvpress("TOVAPress")),
-    "pyramidkv": Method("PyramidKV", _kvpress("PyramidKVPress", window_size=64, kernel_size=5, beta=20)),
+    "pyramidkv": Method("PyramidKV", _pyramidkv),
     "compactor": Method("Compactor", _kvpress("CompactorPress")),
     "knorm": Method("Knorm", _kvpress("KnormPress")),
     "adakv": Method("AdaKV", _adakv),

@@ -68,6 +68,20 @@ class RowPlan:
         return self.sink + self.window + self.middle
 
 
+def split_budget(tokens: int, budget: int, sink: int, window: int) -> RowPlan:
+    """``budget`` rows of a ``tokens``-token context: exact ``sink`` first and ``window`` last tokens, the rest middle
+    rows; where they do not leave a middle row (a short context, or a layer paying for wider ones), the protected
+    tokens shrink to half the budget, in proportion."""
+    if sink + window >= budget:
+        protected = budget // 2
+        # Rounded up: without its first token (the attention sink; StreamingLLM, arXiv 2309.17453) a short
+        # prompt's attention lands on whatever the middle kept, and a prior that drops small-value rows
+        # (novelty_value_norm) makes the answers degenerate.
+        sink = -(-protected * sink // (sink + window))
+        window = protected - sink
+    return RowPlan(tokens, sink, window, budget - sink - window)
+
+
 @dataclass
 class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
@@ -148,15 +162,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         budget = self.budget(n)
         if budget >= n or budget < 1:
             return None
-        sink, window = self.sink_size, self.window_size
-        if sink + window >= budget:  # short context: protected tokens shrink to half the budget
-            protected = budget // 2
-            # Rounded up: without its first token (the attention sink; StreamingLLM, arXiv 2309.17453) a short
-            # prompt's attention lands on whatever the middle kept, and a prior that drops small-value rows
-            # (novelty_value_norm) makes the answers degenerate.
-            sink = -(-protected * sink // (sink + window))
-            window = protected - sink
-        return RowPlan(n, sink, window, budget - sink - window)
+        return split_budget(n, budget, self.sink_size, self.window_size)
 
     def layer_plan(self, plan: RowPlan | None, layer_idx: int) -> RowPlan | None:
         """Layer ``layer_idx``'s split of a context whose uniform split is ``plan``: ``plan`` itself here."""

@@ -291,3 +291,22 @@ def test_both_scans_measure_presses_that_keep_no_layer_whole_whatever_the_models
     auto = press()
     auto.check_model(model, [None] * 3)
     assert auto.active_full_layers == {320: (1,)}  # where the default would have kept layer 1 whole
+
+
+def test_calibrate_refuses_scan_flags_without_lengths_and_an_unwritable_output_before_the_scan(tmp_path, capsys):
+    """Before any model loads: a --full-* flag without --full-lengths (its scan would silently not run), and an
+    --output that cannot be written (found only after the scan, with a traceback)."""
+    from kvcompress.cli import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cases = [(["--full-task", "qa"], "--full-task: sets the scan for layers kept whole"),
+             (["--full-most", "2"], "--full-most: sets the scan"),
+             (["--output", str(blocker / "c.json")], f"--output: {blocker} is a file"),
+             (["--output", str(tmp_path)], f"--output: {tmp_path} is a directory")]  # fmt: skip
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(["calibrate", "--device", "cpu", *flags])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (flags, err)

@@ -192,6 +192,32 @@ def test_generate_on_a_static_cache_equals_the_dynamic_one():
     torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
 
 
+def test_layers_short_of_a_middle_row_shrink_their_sink_and_window_and_the_cache_keeps_its_budget(caplog):
+    """6 layers at 25% kept of 200 tokens (50 rows each, 300 in all): layer 1 whole costs 150 rows more, so each of
+    the 5 others keeps 20, fewer than its 4 + 16 protected tokens and a middle row; they shrink their sink and window
+    as a short context does (half of the 20 rows, 2 + 8) and keep 10 middle rows, and the cache holds its 300 rows,
+    without a warning. Before, they kept 4 + 16 + 1 rows each: 305 rows, over the budget README promises."""
+    from transformers.utils import logging as hf_logging
+
+    from kvcompress import weighted_press
+
+    weighted_press.logger.warning_once.cache_clear()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            model = tiny_model("llama", num_hidden_layers=6)
+            compressor = press(full_layers=(1,))
+            cache = compressed_cache(model, compressor, tokens(200, 3))
+    finally:
+        hf_logging.disable_propagation()
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [20, 200, 20, 20, 20, 20]
+    assert compressor.layer_plan(compressor.plan(200), 0) == weighted_press.RowPlan(200, 2, 8, 10)
+    assert "cannot pay" not in caplog.text
+    weights = cache.layers[0].row_weights
+    assert torch.equal(weights[..., :2], torch.ones_like(weights[..., :2]))  # the sink's two rows exact
+    assert torch.equal(weights[..., -8:], torch.ones_like(weights[..., -8:]))  # the window's eight
+
+
 def test_layers_that_cannot_pay_keep_one_middle_row_and_say_the_budget_is_exceeded(caplog):
     """4 layers at 25% kept: layer 1 whole costs 240 rows, the 3 others have 60 middle rows each; they keep one each,
     and the press warns that the cache is over its budget (a silent overrun would break the memory it promises)."""

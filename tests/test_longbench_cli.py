@@ -400,3 +400,21 @@ def test_processes_write_shards_and_process_zero_merges(tmp_path, embedded_dir, 
     merged = out / "predictions" / "exact" / "py_count.jsonl"
     assert [r["index"] for r in lines(merged)] == [0, 1, 2] and not shard.exists()
     assert json.loads((out / "scores.json").read_text())["complete"]
+
+
+def test_press_options_offer_only_real_settings_and_our_presses_check_their_own():
+    """--press-option lists a press's settings, not its private state, and leaves our presses' fields to their own
+    checks (a negative seed is a seed; a negative window is refused by the press, naming it)."""
+    from kvcompress.longbench.config import UsageError
+
+    with pytest.raises(UsageError, match="has no setting 'foo'") as err:
+        longbench.parse_config(["--press-option", "compresskv.foo=1"])
+    assert "window_size" in str(err.value) and "_pending" not in str(err.value)
+    with pytest.raises(UsageError, match="has no setting '_pending'"):
+        longbench.parse_config(["--press-option", "compresskv._pending=1"])
+    cfg = longbench.parse_config(["--press-option", "compresskv.seed=-1"])
+    assert longbench.make_press("compresskv", cfg.ratio, cfg.seed, cfg.press_options["compresskv"]).seed == -1
+    with pytest.raises(UsageError, match="window_size"):
+        longbench.parse_config(["--press-option", "compresskv.window_size=-3"])
+    with pytest.raises(UsageError, match="snapkv.window_size: must be an integer >= 0"):
+        longbench.parse_config(["--press-option", "snapkv.window_size=-3"])

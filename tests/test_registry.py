@@ -47,3 +47,26 @@ def test_bad_input_names_the_parameter(args, options, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         registry.make_press(*args, **options)
     assert "\n" not in str(info.value)
+
+
+def test_pyramidkv_refuses_a_cache_of_layers_of_different_lengths_and_runs_where_they_are_one():
+    """kvpress's PyramidKV gives layers different budgets, and transformers' attention takes one mask length for all
+    of a cache's layers: the forward after such a prefill failed inside sdpa. Ours refuses at the prefill's end,
+    naming the method and the ratio; where every layer keeps one length, the next forward runs."""
+    import torch
+    from transformers import DynamicCache
+
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(1, 200, (1, 300), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^pyramidkv: .* left layers of \d+ to \d+ rows at compression_ratio=0.5"):
+        with torch.no_grad(), registry.make_press("pyramidkv", 0.5)(model):
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+    cache = DynamicCache()
+    with torch.no_grad(), registry.make_press("pyramidkv", 0.75)(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    assert {layer.keys.shape[-2] for layer in cache.layers} == {75}
+    with torch.no_grad():
+        model(input_ids=ids[:, :5], past_key_values=cache)  # the question's forward
+    assert {layer.keys.shape[-2] for layer in cache.layers} == {80}

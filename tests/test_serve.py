@@ -4,6 +4,7 @@ embedded model) against the official ``openai`` client, httpx and kvpress's pipe
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import re
 import subprocess
@@ -98,6 +99,8 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--threads", "-1"], "--threads: must be an integer >= 1"),  # a traceback from torch
         (["--threads", "0"], "--threads: must be an integer >= 1"),  # silently ignored
         (["--device", "cpu", "--compile-decode", "cudagraphs"], "--compile-decode: cudagraphs needs a CUDA device"),
+        (["--cache-memory", "0"], "--cache-memory: must be more than 0 bytes"),  # served, admitting nothing
+        (["--press-option", "seed=abc"], "--press-option"),
     ],
 )
 def test_cli_rejects_bad_flags_before_loading_the_model(argv, message, capsys):
@@ -106,6 +109,18 @@ def test_cli_rejects_bad_flags_before_loading_the_model(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cli_rejects_cuda_without_a_gpu_before_loading_the_model(capsys):
+    """--device cuda where torch sees no GPU: one error line (was a traceback from model.to('cuda'))."""
+    from kvcompress.cli import main
+
+    for argv in (["serve", "--device", "cuda"], ["calibrate", "--device", "cuda"]):
+        with pytest.raises(SystemExit) if argv[0] == "calibrate" else contextlib.nullcontext():
+            assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--device: cuda requested but torch sees no GPU" in err and "Traceback" not in err
 
 
 @pytest.mark.slow

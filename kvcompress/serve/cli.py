@@ -121,8 +121,9 @@ def press_from_args(args: argparse.Namespace):
         if method != args.method:
             raise ValueError(f"--press-option: {item!r} names {method!r}, but --method is {args.method!r}")
         options[name] = value
-    try:
-        press = make_press(args.method, 1.0 - args.ratio, args.seed, **options)
+    try:  # a seed option wins over --seed
+        press = make_press(args.method, 1.0 - args.ratio, options.get("seed", args.seed),
+                           **{name: value for name, value in options.items() if name != "seed"})
     except (TypeError, ValueError) as err:
         if not options:
             raise
@@ -146,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcompress.serve.store import parse_bytes
 
         capacity = parse_bytes(args.cache_memory)
+        if capacity < 1:  # nothing could ever be admitted: every request would wait or be refused
+            raise ValueError(f"--cache-memory: must be more than 0 bytes, got {args.cache_memory!r}")
         if args.max_queue < 1:
             raise ValueError(f"--max-queue: must be an integer >= 1, got {args.max_queue}")
         if args.threads is not None and args.threads < 1:
@@ -172,7 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    try:
+        device, dtype = resolve_device_dtype(args.device, args.dtype)
+    except ValueError as err:
+        print(f"kvcompress serve: error: {err}", file=sys.stderr)
+        return 2
     if args.compile_decode == "cudagraphs" and device != "cuda":
         print(f"kvcompress serve: error: --compile-decode: cudagraphs needs a CUDA device, got --device {device} "
               "(use inductor or eager)", file=sys.stderr)
