@@ -193,9 +193,9 @@ def test_the_embedded_model_ships_its_calibration(embedded_dir):
         (["--threshold", "0"], "--threshold: must be > 0, got 0.0"),
         (["--contexts", "0"], "--contexts: must be an integer >= 1, got 0"),
         (["--length", "10"], "--length: must be an integer >= 64, got 10"),
-        (["--full-ratio", "1.0"], "--full-ratio: must be in (0, 1), got 1.0"),
-        (["--full-share", "0"], "--full-share: must be in (0, 1], got 0.0"),
-        (["--full-most", "0"], "--full-most: must be an integer >= 1, got 0"),
+        (["--full-lengths", "1024", "--full-ratio", "1.0"], "--full-ratio: must be in (0, 1), got 1.0"),
+        (["--full-lengths", "1024", "--full-share", "0"], "--full-share: must be in (0, 1], got 0.0"),
+        (["--full-lengths", "1024", "--full-most", "0"], "--full-most: must be an integer >= 1, got 0"),
         (["--full-lengths", "1024", "32"], "--full-lengths: must be an integer >= 64, got 32"),
     ],
 )

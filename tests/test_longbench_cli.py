@@ -185,6 +185,10 @@ def test_offline_suite_is_deterministic_and_committed(tmp_path):
         (["--press-option", "snapkv.window_size=-3"], "--press-option: snapkv.window_size: must be an integer"),
         (["--press-option", "exact.window_size=3"], "--press-option: 'exact' has no press"),
         (["--tasks", "trec"], "--dataset: cannot load Xnhyacinth/LongBench (trec_e)"),  # the Hub is offline here
+        (["--benchmark", "ruler", "--data-dir", "/tmp"], "--data-dir: not with --benchmark ruler"),  # was ignored
+        (["--benchmark", "ruler", "--dataset", "x/y"], "--dataset: not with --benchmark ruler"),
+        (["--device-map", "auto", "--device", "cpu"], "--device-map: auto spreads the model over the GPUs"),
+        (["--methods", "exact", "--tasks", "py_qa", "--score-only"], "--score-only: no predictions in"),  # wrote tables
     ],
 )
 def test_bad_input_is_one_error_line(tmp_path, args, message):
@@ -200,6 +204,22 @@ def test_an_output_dir_that_is_a_file_is_one_error_line(tmp_path):
     out.write_text("not a directory")
     result = cli("--tasks", "py_count", "--methods", "exact", "--limit", "1", "--output-dir", str(out))
     assert result.returncode == 2 and result.stderr == f"error: --output-dir: {out} exists and is not a directory\n"
+
+
+def test_an_output_dir_under_a_file_is_one_error_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = cli("--tasks", "py_count", "--methods", "exact", "--limit", "1", "--output-dir", str(blocker / "out"))
+    assert result.returncode == 2 and result.stderr == f"error: --output-dir: {blocker} is a file, not a folder\n"
+
+
+def test_a_layer_the_model_does_not_have_is_one_error_line(tmp_path):
+    """full_layers / retrieval_layers are checked against the loaded model: one line naming the flag (a traceback)."""
+    result = cli("--benchmark", "ruler", "--length", "512", "--limit", "1", "--tasks", "niah_single", "--methods",
+                 "compresskv", "--press-option", "compresskv.full_layers=[99]", "--output-dir", str(tmp_path / "o"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == ("error: --press-option: compresskv: full_layers: 99 is not a "
+                                              "full-attention layer of this 30-layer model; accepted: 0 to 29")
 
 
 def test_data_dir_without_the_task_file(tmp_path):

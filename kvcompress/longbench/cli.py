@@ -218,6 +218,13 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
 def _check_run_dir(out: Path, cfg: Config) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir: {out} exists and is not a directory")
+    folder = out.parent
+    while not folder.exists():  # the first folder that exists must be one (made when the first result is written)
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"--output-dir: {folder} is a file, not a folder")
+    if cfg.score_only and not any(out.glob("predictions/*/*.jsonl")):
+        raise UsageError(f"--score-only: no predictions in {out} to score")
     path = out / "run.json"
     if not path.exists():
         return
@@ -252,7 +259,11 @@ def _presses(out: Path, cfg: Config, model) -> dict[str, dict]:
     found = dict(before or {})
     for method in cfg.methods:
         press = make_press(method, cfg.ratio, cfg.seed, cfg.press_options.get(method))
-        found[method] = settings = press_settings(press, model)
+        try:  # settings that depend on the model's layers (retrieval_layers, full_layers) are checked here
+            found[method] = settings = press_settings(press, model)
+        except ValueError as err:
+            where = "--model" if getattr(err, "from_calibration", False) else "--press-option"
+            raise UsageError(f"{where}: {method}: {one_line(err)}") from None
         if not any((out / "predictions" / method).glob("*.jsonl")):
             continue
         change = press_change((before or {}).get(method), settings, layers.get(method, []))

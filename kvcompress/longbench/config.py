@@ -98,6 +98,10 @@ def validate(cfg: Config) -> Config:
     ruler = cfg.benchmark == "ruler"
     if cfg.length is not None and not ruler:
         raise UsageError("--length: only with --benchmark ruler (LongBench truncates with --max-context-length)")
+    if ruler and cfg.data_dir is not None:
+        raise UsageError("--data-dir: not with --benchmark ruler (its contexts are generated from --length and --seed)")
+    if ruler and cfg.dataset != DEFAULT_DATASET:
+        raise UsageError("--dataset: not with --benchmark ruler (its contexts are generated from --length and --seed)")
     cfg.methods = names(cfg.methods, "--methods")
     unknown = [m for m in cfg.methods if m not in METHODS]
     if unknown:
@@ -133,6 +137,8 @@ def validate(cfg: Config) -> Config:
             raise UsageError(f"--{name.replace('_', '-')}: must be one of {', '.join(allowed)}, got {value!r}")
     if cfg.device_map not in (None, "auto"):
         raise UsageError(f"--device-map: only 'auto' is supported, got {cfg.device_map!r}")
+    if cfg.device_map == "auto" and cfg.device == "cpu":
+        raise UsageError("--device-map: auto spreads the model over the GPUs, which --device cpu excludes; drop one")
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise UsageError(f"--data-dir: {cfg.data_dir} is not a directory")
     check_press_options(cfg)

@@ -3,6 +3,7 @@ bytes (what the logprobs report)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -33,8 +34,11 @@ class TokenBytes:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        ids = tokenizer.encode(self.PROBE, add_special_tokens=False)
-        self.byte_level = self._byte_level(ids) == self.PROBE.encode()
+
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether the tokenizer is a byte-level BPE (asked on the first token: an engine may never report bytes)."""
+        return self._byte_level(self.tokenizer.encode(self.PROBE, add_special_tokens=False)) == self.PROBE.encode()
 
     def _byte_level(self, ids: list[int]) -> bytes | None:
         out = bytearray()
