@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eval.config import load_yaml
-from kvcompress._checks import check_int_range
+from kvcompress._checks import check_int_range, model_path_problem, one_line
 from kvcompress.fidelity.contexts import check_settings
 from kvcompress.fidelity.report import environment, summarize, write_outputs
 from kvcompress.fidelity.specs import check_specs
@@ -67,6 +67,7 @@ class Config(StudyConfig):
 def parse_config(argv: list[str] | None = None) -> Config:
     """Built-in defaults < YAML config (``--config``, default configs/fidelity.yaml) < command-line flags."""
     parser = argparse.ArgumentParser(
+        prog="python -m eval.fidelity",
         description=__doc__.split("\n\n")[0] + " Default run: every press of configs/fidelity.yaml at kept "
         "0.5, 0.25 and 0.1 on 12 contexts, the embedded model on CPU, outputs in results/fidelity/."
     )
@@ -82,21 +83,35 @@ def parse_config(argv: list[str] | None = None) -> Config:
     args = vars(parser.parse_args(argv))
     values = load_yaml(args.pop("config"), DEFAULT_CONFIG, Config)
     values.update({k: v for k, v in args.items() if v is not None})
+    for key in (*LIST_TYPES, "seeds"):  # a YAML scalar where a list belongs would be read item by item (a string)
+        if key in values and key in LIST_TYPES and values[key] is not None and not isinstance(values[key], list):
+            raise ValueError(f"{key}: expected a list, got {values[key]!r}")
     return Config(**values)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(argv)
     try:
+        cfg = parse_config(argv)
         specs = check_specs(cfg.presses, cfg.kept)  # before any model work
         check_settings(cfg.kinds, cfg.lengths, cfg.seeds, cfg.continuation_tokens, cfg.depths)
         check_int_range("resamples", cfg.resamples, 1)  # before the study, not in its summary
         if cfg.threads is not None:
             check_int_range("threads", cfg.threads, 1)
-        dtype = getattr(torch, cfg.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype: a torch dtype name (float32, bfloat16, float16), got {cfg.dtype!r}")
-    except ValueError as exc:
+        if cfg.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: float32, bfloat16 or float16, got {cfg.dtype!r}")
+        dtype = getattr(torch, cfg.dtype)
+        try:
+            torch.device(cfg.device)
+        except RuntimeError:
+            raise ValueError(f"device: a torch device such as cpu, cuda or cuda:1, got {cfg.device!r}") from None
+        if model_path_problem(cfg.model):
+            raise ValueError(f"model: {model_path_problem(cfg.model)}")
+        out = Path(cfg.output_dir)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"output_dir: {out} exists and is not a folder")
+        if cfg.report_only and not (out / "runs.jsonl").is_file():
+            raise ValueError(f"report_only: no runs.jsonl in {out} to report")
+    except (TypeError, ValueError) as exc:
         raise SystemExit(f"fidelity: {exc}") from None
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -107,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     from kvcompress.models import EMBEDDED_MODEL, load_model
 
     start = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    try:
+        model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    except (OSError, ValueError, RuntimeError, AssertionError) as exc:  # no such model; a device torch cannot use
+        raise SystemExit(f"fidelity: model: {one_line(exc)}") from None
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     identity = dict(model=cfg.model or EMBEDDED_MODEL, dtype=cfg.dtype, device=cfg.device)
     try:
         contexts, rows = run_study(pipe, cfg, identity, run=not cfg.report_only)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: an output_dir that cannot be made
         raise SystemExit(f"fidelity: {exc}") from None
     plan = [(spec.label, kept) for spec, kept in planned(specs, cfg.kept)]
     if cfg.report_only:

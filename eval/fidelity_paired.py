@@ -25,6 +25,8 @@ def context_kl(run: str, press: str, kept: float) -> dict[str, float]:
     reads it (the first of any repeated row)."""
     path = Path(run)
     path = path / "runs.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"--pair: {run} is neither a fidelity run directory nor its runs.jsonl")
     rows = read_runs(path, repair=False)  # a study may still be appending to it
     kl = {r["context"]: r["kl"] for r in rows if r["press"] == press and r.get("kept") == kept and "kl" in r}
     if not kl:

@@ -136,7 +136,7 @@ def gpu_cost(speed_json: str, setting: str, tokens: int) -> dict:
 
 def collect(points_file: str) -> dict:
     """Every point's numbers (see the module docstring)."""
-    spec = PointsFile(**load_yaml(Path(points_file), Path(points_file), PointsFile))
+    spec = PointsFile(**load_yaml(Path(points_file), Path(points_file), PointsFile, flag="--points"))
     base_log, base_label = spec.baseline_prefill
     base_cpu, base_peak = prefill_cost(base_log, base_label)
     kept_kl = float(spec.kl_kept)
@@ -273,7 +273,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.frontier", description=__doc__.splitlines()[0])
     parser.add_argument("--points", required=True, help="YAML file of points (see results/frontier/points.yaml)")
     parser.add_argument("--output-dir", default="results/frontier", help="where the table and plot go")
     args = parser.parse_args(argv)
@@ -282,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise SystemExit(f"frontier: {exc}") from None
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown(result)
-    (out / "frontier.md").write_text(table + "\n")
-    (out / "frontier.json").write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "frontier.md").write_text(table + "\n")
+        (out / "frontier.json").write_text(json.dumps(result, indent=1) + "\n")
+    except OSError as exc:
+        raise SystemExit(f"frontier: --output-dir: {exc}") from None
     print(table)
     try:
         plot(result, out / "frontier.png")

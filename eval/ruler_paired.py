@@ -30,7 +30,17 @@ def example_scores(run_dir: str, method: str, answers: dict | None = None) -> di
     the caller keeps across calls, which then remembers each (context settings, task)'s expected answers, so that
     runs made with the same settings rebuild their contexts once (the tokenizer and generator take seconds)."""
     run = Path(run_dir)
-    settings = json.loads((run / "run.json").read_text())["settings"]
+    if not (run / "run.json").is_file():
+        raise ValueError(f"{run_dir}: not a run directory (no run.json)")
+    try:
+        settings = json.loads((run / "run.json").read_text())["settings"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{run_dir}: its run.json holds no run settings") from None
+    if settings.get("benchmark", "ruler") != "ruler":
+        raise ValueError(f"{run_dir}: not a RULER-style run (benchmark {settings.get('benchmark')!r})")
+    if not (run / "predictions" / method).is_dir():
+        ran = sorted(path.name for path in (run / "predictions").glob("*") if path.is_dir())
+        raise ValueError(f"{run_dir}: no predictions of {method!r} (it has {', '.join(ran) or 'none'})")
     argv = ["--benchmark", "ruler"]  # a setting the run left at its default (None) stays at the default
     for flag, key in (("--length", "length"), ("--seed", "seed"), ("--model", "model")):
         argv += [flag, str(settings[key])] if settings.get(key) is not None else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,3 +138,20 @@ def check_backend(backend: object, choices: tuple[str, ...] = BACKENDS) -> str:
     if backend not in choices:
         raise ValueError(f"backend: must be one of {', '.join(map(repr, choices))}, got {backend!r}")
     return backend
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (whitespace collapsed, cut at ``limit`` characters; its type if empty)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def model_path_problem(name: str | None) -> str | None:
+    """Why ``--model`` ``name`` cannot be a local model (a path that does not exist, a folder without config.json),
+    before transformers reads it as a Hub name and says something else; None when it may load."""
+    if name is None:
+        return None
+    path = Path(name).expanduser()
+    if path.exists():
+        return None if (path / "config.json").exists() else f"{name} is not a model directory (no config.json)"
+    return f"{name} does not exist" if name.startswith(("/", ".", "~")) else None

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kvcompress._checks import model_path_problem, one_line
 from kvcompress.calibration import (
     FULL_COVER,
     FULL_MOST,
@@ -269,6 +270,8 @@ def main(argv: list[str]) -> int:
         device, dtype = resolve_device_dtype(args.device, args.dtype)
     except ValueError as err:
         p.error(str(err))
+    if model_path_problem(args.model):
+        p.error(f"--model: {model_path_problem(args.model)}")
     output = Path(args.output) if args.output else None
     if output is not None:  # found before the scan, which takes minutes to hours, not after it
         problem = unwritable(output)
@@ -278,8 +281,8 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype), device=device)
-    except (OSError, ValueError, ImportError) as err:
-        print(f"kvcompress calibrate: error: --model: {str(err).splitlines()[0]}", file=sys.stderr)
+    except (OSError, ValueError, ImportError) as err:  # ImportError: a package the model needs (protobuf, gguf)
+        print(f"kvcompress calibrate: error: --model: {one_line(err).removeprefix('model: ')}", file=sys.stderr)
         return 2
     try:
         found = calibrate(model, tokenizer, args.ratio, args.length, args.contexts, args.seed, args.threshold,

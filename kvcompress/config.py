@@ -12,11 +12,12 @@ import yaml
 CHECKOUT_ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_yaml(path: Path | None, default: Path, config_cls: type) -> dict[str, Any]:
+def load_yaml(path: Path | None, default: Path, config_cls: type, flag: str = "--config") -> dict[str, Any]:
     """The YAML mapping at ``path`` (or ``default``, which may be absent), keys checked against ``config_cls``.
 
     Hyphens in keys read as underscores; a relative path missing from the current directory is also looked
-    up in the source checkout holding this package (``configs/...`` from anywhere inside a clone).
+    up in the source checkout holding this package (``configs/...`` from anywhere inside a clone). Every problem
+    (no such file, not YAML, not a mapping, unknown keys) is a one-line ``ValueError`` naming ``flag``.
     """
     explicit = path is not None
     path = path or default
@@ -24,13 +25,17 @@ def load_yaml(path: Path | None, default: Path, config_cls: type) -> dict[str, A
         path = CHECKOUT_ROOT / path
     if not path.exists():
         if explicit:
-            raise FileNotFoundError(f"--config: {path} does not exist")
+            raise ValueError(f"{flag}: {path} does not exist")
         return {}
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{flag}: {path} is not a readable YAML file ({first})") from None
     if not isinstance(data, dict):
-        raise TypeError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        raise ValueError(f"{flag}: {path}: expected a mapping of settings, got {type(data).__name__}")
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = set(data) - {f.name for f in fields(config_cls)}
     if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+        raise ValueError(f"{flag}: {path}: unknown keys {sorted(unknown)}")
     return data

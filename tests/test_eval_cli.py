@@ -43,13 +43,42 @@ def test_approx_error_rejects_unknown_method(tmp_path):
         ("serve_load", ["--time-limit", "nan"], "argument --time-limit: must be a finite number in (0, inf)"),
         ("fidelity", ["--resamples", "0"], "fidelity: resamples: must be an int >= 1, got 0"),
         ("fidelity", ["--threads", "-1"], "fidelity: threads: must be an int >= 1, got -1"),
+        # each of these was a traceback, or a run that wrote a report of nothing
+        ("fidelity", ["--config", "/nonexistent.yaml"], "fidelity: --config: /nonexistent.yaml does not exist"),
+        ("fidelity", ["--config", "{list}"], "fidelity: --config: {list}: expected a mapping of settings, got list"),
+        ("fidelity", ["--config", "{broken}"], "fidelity: --config: {broken} is not a readable YAML file"),
+        ("fidelity", ["--config", "{kept}"], "fidelity: kept: expected a list, got 'abc'"),
+        ("fidelity", ["--dtype", "int64"], "fidelity: dtype: float32, bfloat16 or float16, got 'int64'"),
+        ("fidelity", ["--device", "nodevice"], "fidelity: device: a torch device such as cpu"),
+        ("fidelity", ["--model", "./no/such/model"], "fidelity: model: ./no/such/model does not exist"),
+        ("fidelity", ["--report-only", "--output-dir", "{empty}"], "fidelity: report_only: no runs.jsonl in"),
+        ("speed", ["--config", "/nonexistent.yaml"], "speed: --config: /nonexistent.yaml does not exist"),
+        ("speed", ["--config", "{broken}"], "speed: --config: {broken} is not a readable YAML file"),
+        ("speed", ["--config", "{kept}", "--smoke", "--device", "cpu"], "speed: kept: must be a number, got 'abc'"),
+        ("speed", ["--model-layers", "0", "--smoke", "--device", "cpu"], "speed: --model-layers: must be an integer"),
+        ("speed", ["--attn-implementations", "nope", "--smoke", "--device", "cpu"], "speed: attn_implementations:"),
+        ("speed", ["--compile-backend", "nope", "--smoke", "--device", "cpu"], "speed: compile_backend: one of"),
+        ("speed", ["--output", "{empty}", "--smoke", "--device", "cpu"], "is a folder; name the JSON file"),
+        ("speed", ["--device", "nodevice"], "speed: --device: use cuda, cuda:N or cpu, got 'nodevice'"),
+        ("frontier", ["--points", "/nonexistent.yaml"], "frontier: --points: /nonexistent.yaml does not exist"),
+        ("frontier", ["--points", "{broken}"], "frontier: --points: {broken} is not a readable YAML file"),
+        ("ruler_paired", ["{empty}", "exact", "{empty}", "snapkv"], "not a run directory (no run.json)"),
+        ("fidelity_paired", ["--pair", "/nonexistent", "a", "b"], "is neither a fidelity run directory nor"),
     ],
 )
-def test_eval_tools_refuse_bad_flags_in_one_line_naming_them(tool, argv, message, capsys):
+def test_eval_tools_refuse_bad_flags_in_one_line_naming_them(tool, argv, message, capsys, tmp_path):
     """Before any model or data work: one line naming the flag (or its config key) and its range, no traceback
     (these raised from torch.set_num_threads, numpy or a kernel's check, or ran an empty study)."""
     import importlib
 
+    files = {"{list}": "- a\n", "{broken}": "a: [\n", "{kept}": "kept: abc\n"}
+    for name, text in files.items():
+        (tmp_path / f"{name[1:-1]}.yaml").write_text(text)
+    (tmp_path / "empty").mkdir()
+    paths = {**{name: str(tmp_path / f"{name[1:-1]}.yaml") for name in files}, "{empty}": str(tmp_path / "empty")}
+    argv = [paths.get(arg, arg) for arg in argv]
+    for name, path in paths.items():
+        message = message.replace(name, path)
     with pytest.raises(SystemExit) as exit_:
         importlib.import_module(f"eval.{tool}").main(argv)
     text = str(exit_.value.code) if isinstance(exit_.value.code, str) else capsys.readouterr().err

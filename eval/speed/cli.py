@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(argv)
         device = resolve_device(cfg)
-    except (ValueError, RuntimeError) as exc:  # a flag out of range, or no GPU for the full sizes: one line
+    except (ValueError, RuntimeError, TypeError) as exc:  # a flag out of range, or no GPU for the full sizes
         raise SystemExit(f"speed: {exc}") from None
     dtype = DTYPES[cfg.dtype]
     output = Path(cfg.output or ("results/speed/speed_smoke.json" if cfg.smoke else "results/speed/speed.json"))

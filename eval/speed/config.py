@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m eval.speed", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", type=Path, default=None, help=f"YAML with the same keys (default {DEFAULT_CONFIG})")
-    p.add_argument("--only", help="comma-separated sections: bandwidth,kernels,e2e,prefill,decode (default all)")
+    p.add_argument("--only", help="comma-separated sections: bandwidth,kernels,e2e,prefill,decode (default: "
+                                  "configs/speed.yaml's list, which leaves decode out)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="tensor and model dtype (default bfloat16)")
     p.add_argument("--output", help="JSON path (default results/speed/speed.json; speed_smoke.json with --smoke)")
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
 def resolve_config(argv: list[str] | None = None) -> Config:
     """Built-in defaults < YAML config < smoke preset < command-line flags, validated."""
     args = vars(build_parser().parse_args(argv))
@@ -200,7 +204,24 @@ def resolve_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**merged)
     cfg.model = {**cfg.model}
     if model_layers is not None:
+        if model_layers < 1:
+            raise ValueError(f"--model-layers: must be an integer >= 1, got {model_layers}")
         cfg.model["num_hidden_layers"] = model_layers
+    numbers = {name: getattr(cfg, name) for name in ("kept", "repeats", "warmup", "seed")}
+    for name, value in numbers.items():  # a YAML string here failed deep inside with a TypeError
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}: must be a number, got {value!r}")
+    unknown = [name for name in cfg.attn_implementations if name not in ATTN_IMPLEMENTATIONS]
+    if unknown or not cfg.attn_implementations:
+        raise ValueError(f"attn_implementations: choose from {', '.join(ATTN_IMPLEMENTATIONS)}, got "
+                         f"{cfg.attn_implementations}")  # fmt: skip
+    import torch._dynamo
+
+    if cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"compile_backend: one of torch.compile's backends (such as "
+                         f"{', '.join(torch._dynamo.list_backends())}), got {cfg.compile_backend!r}")
+    if cfg.output is not None and Path(cfg.output).is_dir():
+        raise ValueError(f"output: {cfg.output} is a folder; name the JSON file to write")
     bad = set(cfg.only) - set(SECTIONS)
     if bad or not cfg.only:
         raise ValueError(f"only: choose from {','.join(SECTIONS)}, got {cfg.only}")
@@ -233,7 +254,10 @@ def resolve_config(argv: list[str] | None = None) -> Config:
 
 def resolve_device(cfg: Config) -> torch.device:
     name = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device: use cuda, cuda:N or cpu, got {name!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: CUDA is not available here; use --device cpu --smoke")

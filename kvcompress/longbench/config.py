@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompress import registry
+from kvcompress._checks import model_path_problem, one_line  # noqa: F401 - one_line re-exported for the CLI
 from kvcompress.longbench import offline_suite
 from kvcompress.longbench.tasks import ALL_TASKS, DEFAULT_DATASET, LONGBENCH_TASKS
 
@@ -77,12 +78,6 @@ class Config:
 
 
 
-def one_line(err: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line (whitespace collapsed, cut at ``limit`` characters)."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def validate(cfg: Config) -> Config:
     """Check every setting (from YAML or flags); UsageError on the first bad one."""
 
@@ -144,11 +139,9 @@ def validate(cfg: Config) -> Config:
     check_press_options(cfg)
     if cfg.model is not None and not isinstance(cfg.model, str):
         raise UsageError(f"--model: expected a name or path, got {cfg.model!r}")
-    if cfg.model is not None and Path(cfg.model).expanduser().exists():
-        if not (Path(cfg.model).expanduser() / "config.json").exists():
-            raise UsageError(f"--model: {cfg.model} is not a model directory (no config.json)")
-    elif cfg.model is not None and cfg.model.startswith(("/", ".", "~")):
-        raise UsageError(f"--model: {cfg.model} does not exist")
+    problem = model_path_problem(cfg.model)
+    if problem:
+        raise UsageError(f"--model: {problem}")
     return cfg
 
 
