@@ -95,13 +95,12 @@ class Scheduler:
         for job in jobs:
             self._check_size(job)
         with self._cond:
-            # requests whose client has gone hold no place (the worker drops them: it alone takes from the queue)
-            live = sum(not job.cancelled.is_set() for job in self._waiting)
-            if live + len(jobs) > self.max_queue:
-                wait = math.ceil(live * self._seconds_per_request / self.max_batch)
+            self._drop_cancelled()  # requests whose client has gone hold no place
+            if len(self._waiting) + len(jobs) > self.max_queue:
+                wait = math.ceil(len(self._waiting) * self._seconds_per_request / self.max_batch)
                 raise QueueFull(max(1, wait), "the queue of waiting requests is full")
             self._waiting.extend(jobs)
-            waiting = live + len(jobs)
+            waiting = len(self._waiting)
             self._cond.notify()
         self.metrics.queue_depth.set(waiting)
         for job in jobs:
@@ -208,8 +207,8 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         """Forget every waiting request whose client has gone, anywhere in the queue (one behind a live request
-        would count in ``queue_depth``). The worker's thread only, under ``self._cond``: the worker takes a job it
-        chose out of the queue later, so nothing else may remove one."""
+        held a place in ``--max-queue`` and in ``queue_depth``); under ``self._cond``. The worker takes the job it
+        chose out of the queue later, and skips it if it is gone by then."""
         if any(job.cancelled.is_set() for job in self._waiting):
             kept = [job for job in self._waiting if not job.cancelled.is_set()]
             self.metrics.cancelled.inc(len(self._waiting) - len(kept))
@@ -280,8 +279,11 @@ class Scheduler:
             need, new_bytes, key = self._estimate(job)
             if not self._fits(joining, need, new_bytes, key):
                 break
-            with self._cond:
-                self._waiting.remove(job)
+            with self._cond:  # by identity (a Job's == compares its token lists)
+                place = next((i for i, waiting in enumerate(self._waiting) if waiting is job), None)
+                if place is None:  # its client left after the choice, and a submit dropped it
+                    continue
+                del self._waiting[place]
             self.metrics.queue_seconds.observe(time.perf_counter() - job.submitted)
             cold = not self.engine.is_stored(job.context_ids) and bool(job.context_ids)
             start = time.perf_counter()
