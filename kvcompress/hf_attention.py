@@ -32,6 +32,17 @@ from kvcompress.cache import layer_of
 ATTENTION_NAME = "kvcompress"
 logger = hf_logging.get_logger(__name__)
 
+try:  # transformers' collector of output_attentions / output_hidden_states (a private name: absent, no warning)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - another transformers version
+    _active_collector = None
+
+
+def _attentions_requested() -> bool:
+    """Whether the running forward collects attention weights (``output_attentions=True``)."""
+    collected = _active_collector.get() if _active_collector is not None else None
+    return isinstance(collected, dict) and "attentions" in collected
+
 _NEW_TOKENS_SEE_ALL_CACHED: ContextVar[bool] = ContextVar("kvcompress_new_tokens_see_all_cached", default=False)
 # While a repeat pass records: [layer_idx, lse, output] over the context of the last chunk attention split at the
 # context's end (or []).
@@ -250,6 +261,12 @@ def kvcompress_attention(
     are the last ``q`` rows, causal among themselves; they see every earlier real row: filler rows of the
     compressed context and padded later tokens (from ``attention_mask``, built in token space) are masked.
     """
+    if not torch.compiler.is_compiling() and _attentions_requested():
+        logger.warning_once(
+            "kvcompress: output_attentions: the kvcompress attention (which a press sets on the model for good) "
+            "returns no attention weights, so `attentions` comes back empty; over a compressed cache they would "
+            "be weights over weighted rows"
+        )
     layer = layer_of(key)
     if layer is None:
         prefill_rows = _PREFILL_ROWS.get()

@@ -7,6 +7,8 @@ compressed from NaN or Inf keys without saying so.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from kvpress.presses.base_press import BasePress
 from transformers import (
@@ -59,6 +61,12 @@ def refuse_a_second_press(press: BasePress, model: PreTrainedModel) -> None:
             f"press: this {type(press).__name__} is already applied (its `with press(model)` block is open); apply "
             "it once, e.g. not both `with press(model):` and `pipe(..., press=press)`"
         )
+    refuse_other_presses(press, model)
+
+
+def refuse_other_presses(press: BasePress, model: torch.nn.Module) -> None:
+    """Raise if a kvpress press other than ``press`` has hooks on ``model`` (or a decoder of it): at ``with
+    press(model)``, one entered before; before each prefill, one entered inside ``press``'s block."""
     for module in model.modules():
         for hook in getattr(module, "_forward_hooks", {}).values():
             other = getattr(hook, "__self__", None)
@@ -67,6 +75,23 @@ def refuse_a_second_press(press: BasePress, model: PreTrainedModel) -> None:
                     f"press: {type(other).__name__} is already applied to this model; {type(press).__name__} runs "
                     "alone (leave the other press's `with` block first)"
                 )
+
+
+def refuse_an_assisted_prefill(press: BasePress) -> None:
+    """Raise if this prefill runs inside transformers' assisted decoding (``assistant_model`` or
+    ``prompt_lookup_num_tokens`` under ``with press(model)``): its first forward carries the drafted tokens with
+    the prompt, which the press would compress as context (different tokens than greedy decoding, or a crop into
+    the compressed context when drafts are rejected)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_assisted_decoding" and "transformers" in code.co_filename:
+            raise ValueError(
+                f"press: {type(press).__name__} under assisted decoding (assistant_model, prompt_lookup_num_tokens) "
+                "would compress the drafted tokens with the prompt; compress the prompt first (one forward under "
+                "`with press(model)`), then generate with that cache (README, Usage)"
+            )
+        frame = frame.f_back
 
 
 def refuse_a_repeat_pass(

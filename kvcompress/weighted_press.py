@@ -45,7 +45,9 @@ from kvcompress.press_guards import (
     refuse_a_repeat_pass,
     refuse_a_second_press,
     refuse_a_wrapper,
+    refuse_an_assisted_prefill,
     refuse_non_finite_layers,
+    refuse_other_presses,
 )
 from kvcompress.reference import LayerReference
 from kvcompress.repeat_hooks import RepeatPassHooks
@@ -267,15 +269,20 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
 
     def _refuse_before_the_prefill(self, inputs_embeds: torch.Tensor | None, cache) -> None:
         """Raise, before any layer writes the cache, for a call this press would compress but refuse in a layer's
-        hook or after the prefill: a batch row of padding only, a repeat pass without token ids, a padded repeat
-        pass over sliding-window layers. One host read of the mask per prefill (none for decode steps). Remembers the
-        empty cache, put back if the prefill's layers turn out to hold NaN or Inf (:meth:`_finish_prefill`)."""
+        hook or after the prefill: a cache it cannot compress, another press entered inside this one's block, a
+        batch row of padding only, a repeat pass without token ids, a padded repeat pass over sliding-window
+        layers. One host read of the mask per prefill (none for decode steps). Remembers the empty cache, put back
+        if the prefill's layers turn out to hold NaN or Inf (:meth:`_finish_prefill`)."""
         input_ids = self._call[1]
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None or tokens.shape[1] < 2 or self.plan(tokens.shape[1]) is None:
             return
         if cache is not None and cache.get_seq_length() > 0:
             return  # not a prefill: nothing is compressed
+        if cache is not None:
+            check_cache(cache)  # here, not in a layer's hook: a refused cache stays as it was
+        refuse_other_presses(self, self._call[0])  # a press entered inside this one's block
+        refuse_an_assisted_prefill(self)
         rows = real_token_rows(self._attention_mask, tokens.shape[0], tokens.shape[1], tokens.device)
         self._rows = (tokens.shape[1], rows)  # the layers' hooks take them from here (one host read per prefill)
         if isinstance(cache, DynamicCache):

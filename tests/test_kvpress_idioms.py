@@ -56,9 +56,11 @@ def test_direct_post_init_still_refuses_real_wrappers(model):
 def test_a_second_press_is_refused_before_it_runs(model):
     """Two presses on one model would each compress the other's output (the paper's press twice gave a cache that
     counted 120 of 300 tokens, silently): the same press entered twice, a second kvcompress press, or ours inside
-    a kvpress press are refused on entry; a kvcompress press entered first still refuses a kvpress press that
-    evicts its rows. The model then runs as before, and a press applied alone works."""
-    from kvpress import KnormPress
+    a kvpress press are refused on entry; a kvpress press entered inside a kvcompress press's block is refused
+    before the prefill writes anything (ThinK pruned the fitted keys' channels silently; Knorm's eviction was
+    caught only mid-prefill, the cache half written). The model then runs as before, and a press applied alone
+    works."""
+    from kvpress import KnormPress, ThinKPress
 
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(4))
     press, other = CompressKVPress.paper(0.5, seed=0), CompressKVPress(compression_ratio=0.5, seed=0)
@@ -69,9 +71,12 @@ def test_a_second_press_is_refused_before_it_runs(model):
     ):
         with pytest.raises(ValueError, match=message), outer(model), inner(model):
             pass
-    with pytest.raises(RuntimeError, match="something removed rows of a compressed cache layer"):
-        with torch.no_grad(), press(model), KnormPress(compression_ratio=0.5)(model):
-            model(ids, past_key_values=DynamicCache())
+    for inner in (KnormPress(compression_ratio=0.5), ThinKPress(key_channel_compression_ratio=0.5)):
+        cache = DynamicCache()
+        with pytest.raises(ValueError, match=f"^press: {type(inner).__name__} is already applied to this model"):
+            with torch.no_grad(), press(model), inner(model):
+                model(ids, past_key_values=cache)
+        assert cache.get_seq_length() == 0  # nothing written
     cache = DynamicCache()
     with torch.no_grad(), press(model):
         model(ids, past_key_values=cache)
@@ -125,3 +130,53 @@ def test_unpadded_batch_row_equals_the_row_alone(model, name):
             torch.testing.assert_close(layer.keys[b : b + 1], row_layer.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(layer.row_weights[b : b + 1], row_layer.row_weights, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(batched_logits[b : b + 1], alone_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_the_press_cannot_compress_is_refused_before_it_is_written(model):
+    """A StaticCache passed to a prefill under our press: refused before layer 0 wrote its rows (it held 96)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=128)
+    with pytest.raises(ValueError, match="^past_key_values: kvcompress compresses a transformers DynamicCache"):
+        with torch.no_grad(), CompressKVPress(compression_ratio=0.5)(model):
+            model(torch.randint(0, 256, (1, 96)), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("kind", ["assistant_model", "prompt_lookup_num_tokens"])
+def test_assisted_generation_under_the_press_is_refused_and_a_compressed_cache_serves_it(model, kind):
+    """Under ``with press(model)``, assisted decoding's first forward carries the drafts with the prompt, which
+    the press compressed as context (other tokens than greedy, or a crop into the context when drafts were
+    rejected): refused. Over a cache compressed first, assisted decoding gives greedy decoding's tokens."""
+    ids = torch.randint(1, 256, (1, 120), generator=torch.Generator().manual_seed(5))
+    options = {"assistant_model": tiny_model("llama", num_hidden_layers=1)} if kind == "assistant_model" else {
+        "prompt_lookup_num_tokens": 3}
+    generate = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="^press: CompressKVPress under assisted decoding"):
+        with torch.no_grad(), CompressKVPress(compression_ratio=0.5, seed=0)(model):
+            model.generate(ids, **generate, **options)
+    answers = []
+    for extra in ({}, options):
+        cache = DynamicCache()
+        with torch.no_grad(), CompressKVPress(compression_ratio=0.5, seed=0)(model):
+            model.model(input_ids=ids[:, :-1], past_key_values=cache)
+        answers.append(model.generate(ids, past_key_values=cache, **generate, **extra))
+    assert torch.equal(answers[0], answers[1])
+
+
+def test_output_attentions_over_the_press_attention_warns_that_none_come_back(model, caplog):
+    from transformers.utils import logging as hf_logging
+
+    from kvcompress import hf_attention
+
+    cache = DynamicCache()
+    with torch.no_grad(), CompressKVPress(compression_ratio=0.5, seed=0)(model):
+        model.model(input_ids=torch.randint(1, 256, (1, 64)), past_key_values=cache)
+    hf_attention.logger.warning_once.cache_clear()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"), torch.no_grad():
+            out = model(torch.randint(1, 256, (1, 3)), past_key_values=cache, output_attentions=True)
+    finally:
+        hf_logging.disable_propagation()
+    assert out.attentions == () and "returns no attention weights" in caplog.text
