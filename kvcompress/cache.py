@@ -293,6 +293,8 @@ class WeightedDynamicCache(DynamicCache):
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (counted like ``get_seq_length()``); negative: drop from the end.
         Every layer is checked before any is cut: a refused crop leaves the cache as it was."""
+        if max_length < 0:  # the same crop counted from the end: the same checks (a compressed context stays whole)
+            max_length = max(0, self.get_seq_length() + max_length)
         targets = []
         for layer in self.layers:
             target = max_length

@@ -113,20 +113,30 @@ def refuse_a_repeat_pass(
         raise ValueError(SLIDING_PADDED_REPEAT)
 
 
-def refuse_non_finite_layers(flags: list[tuple[int, torch.Tensor]]) -> None:
-    """Raise if a compressed layer's keys or values held NaN or Inf. ``flags``: ``(layer index, [2] bool: keys and
-    values finite)`` per compressed layer, read all at once after the prefill (one host-device sync per prefill
-    instead of two per layer)."""
+def refuse_non_finite_layers(flags: list[tuple[int, torch.Tensor]], dtype: torch.dtype | None = None) -> None:
+    """Raise if a compressed layer's keys or values held NaN or Inf. ``flags``: per compressed layer, ``(layer
+    index, [2] bool: the prefill's keys and values finite)`` and ``(layer index, [1] bool: the compressed rows'
+    values and weights finite)``, read all at once after the prefill (one host-device sync per prefill)."""
     if not flags:
         return
-    finite = torch.stack([flag for _, flag in flags]).cpu().tolist()
-    for (layer_idx, _), pair in zip(flags, finite, strict=True):
-        for name, ok in zip(("keys", "values"), pair, strict=True):
-            if not ok:
+    finite = torch.cat([flag for _, flag in flags]).cpu().tolist()
+    at = 0
+    for layer_idx, flag in flags:
+        names = ("keys", "values") if flag.numel() == 2 else ("compressed values",)
+        for name, ok in zip(names, finite[at : at + flag.numel()], strict=True):
+            if ok:
+                continue
+            if name == "compressed values":
                 raise ValueError(
-                    f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
-                    "cache passed in holds no token of this prefill, as before the call)"
+                    f"layer {layer_idx} {name}: NaN or Inf after compression: the weighted values (w v) outgrew "
+                    f"{dtype or 'the cache dtype'}; run the model in bfloat16 or float32 (the cache passed in holds "
+                    "no token of this prefill, as before the call)"
                 )
+            raise ValueError(
+                f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
+                "cache passed in holds no token of this prefill, as before the call)"
+            )
+        at += flag.numel()
 
 
 class LayerChoiceError(ValueError):

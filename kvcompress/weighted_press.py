@@ -309,7 +309,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         flags, self._finite = self._finite, []
         restore, self._restore = self._restore, None
         try:
-            refuse_non_finite_layers(flags)
+            refuse_non_finite_layers(flags, getattr(decoder, "dtype", None))
         except ValueError:
             if restore is not None:
                 restore()  # no layer keeps rows compressed from NaN or Inf
@@ -421,6 +421,10 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
                     parts.append(self._compress_rows(module, row_keys, row_values, plan, state["references"][b]))
             compressed_keys, compressed_values, weights, valid = stack_rows(parts)
             value_min, value_max = torch.cat(lows).float(), torch.cat(highs).float()
+        # Weighted values (w v, a Nystrom fit) can outgrow a 16-bit dtype where the prefill's values did not: read
+        # with the prefill's own flags after it (one sync), the cache put back as before the call if one is not finite
+        finite = torch.isfinite(compressed_values).all() & torch.isfinite(weights).all()
+        self._finite.append((module.layer_idx, finite.reshape(1)))
         compressed = WeightedLayer(
             keys=compressed_keys,
             values=compressed_values,

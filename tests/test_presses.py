@@ -340,11 +340,37 @@ def test_crop_counts_tokens_and_refuses_to_cut_the_compressed_context():
         assert torch.equal(layer.keys, kept.keys) and torch.equal(layer.values, kept.values)
     with pytest.raises(ValueError, match="max_length: a compressed cache can be cropped back to its 300-token"):
         cache.crop(CONTEXT - 1)
+    with torch.no_grad():
+        model(tokens(QUESTION, 62), past_key_values=cache)
+    with pytest.raises(ValueError, match="max_length: a compressed cache can be cropped back to its 300-token"):
+        cache.crop(-QUESTION - 1)  # the same crop counted from the end (blamed eviction presses, a RuntimeError)
+    cache.crop(-QUESTION)
+    assert cache.get_seq_length() == CONTEXT and cache.get_seq_length(0) == rows
     # Cutting the rows directly (bypassing crop) is refused at once, and the layer is left as it was.
     before = cache.layers[0].keys
     with pytest.raises(RuntimeError, match="removed rows of a compressed cache layer"):
         cache.layers[0].keys = cache.layers[0].keys[:, :, :100]
     assert cache.layers[0].keys is before
+
+
+@pytest.mark.parametrize("make, tokens_in, scale", [
+    (lambda: CompressKVPress.paper(0.75, seed=0), 150, 300.0),
+    (lambda: UniformPress(compression_ratio=0.99, weighted=True, seed=0), 1500, 1000.0),
+], ids=["paper", "uniform-weighted"])  # fmt: skip
+def test_weighted_values_that_outgrow_float16_are_refused_and_the_cache_is_put_back(make, tokens_in, scale):
+    """Values of a few hundred fit float16, but Nystrom weights (paper()) or the uniform press's length / rows
+    scale them by 100-250x: the compressed rows held Inf (paper: NaN logits; the weighted uniform press: clipped,
+    wrong logits 0.49 off). Refused after the prefill with the prefill's own flags (one sync), cache put back."""
+    model = tiny_model("llama", dtype=torch.float16)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(scale)
+    cache = DynamicCache()
+    with pytest.raises(ValueError, match=r"^layer \d compressed values: NaN or Inf after compression: .*float16"):
+        with torch.no_grad(), make()(model):
+            model.model(input_ids=torch.randint(0, 256, (1, tokens_in), generator=torch.Generator().manual_seed(1)),
+                        past_key_values=cache)  # fmt: skip
+    assert cache.get_seq_length() == 0
 
 
 @pytest.mark.parametrize(
