@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcompress.fidelity.stats import bootstrap_ratio
+from kvcompress.fidelity.stats import bootstrap_ratio, context_ratios
 from kvcompress.fidelity.study import read_runs
 
 
@@ -63,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         ratio, low, high = bootstrap_ratio(kl_a, kl_b, resamples=args.resamples)
     except (ValueError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
-    per_context = kl_a / kl_b
+    per_context, covered = context_ratios(kl_a, kl_b)  # contexts where B's KL is 0 have no ratio
+    names = [name for name, kept in zip(names, covered, strict=True) if kept]
     worst = int(np.argmax(per_context))
     print(
-        f"KL A / B on {len(names)} contexts: {ratio:.3f} [95% paired interval {low:.3f}, {high:.3f}];"
+        f"KL A / B on {len(kl_a)} contexts: {ratio:.3f} [95% paired interval {low:.3f}, {high:.3f}];"
         f" per context: worst {per_context[worst]:.2f} ({names[worst]}), median {np.median(per_context):.2f},"
         f" {int((per_context > args.bound).sum())} above {args.bound}, {int((per_context < 1).sum())} below 1"
     )

@@ -39,7 +39,7 @@ from pathlib import Path
 from eval.fidelity_paired import paired_kl
 from eval.ruler_paired import pooled_scores
 from kvcompress.config import load_yaml
-from kvcompress.fidelity.stats import bootstrap_ratio
+from kvcompress.fidelity.stats import bootstrap_ratio, context_ratios
 from kvcompress.ruler.scoring import paired_difference
 
 PREFILL_LINE = re.compile(
@@ -90,7 +90,7 @@ def pooled_kl_ratio(pairs: list, baseline: str, kept: float, bound: float) -> di
     contexts are above ``bound``."""
     kl, base, _ = paired_kl([(run, label, baseline) for run, label in pairs], kept)
     ratio, low, high = bootstrap_ratio(kl, base)
-    per_context = kl / base
+    per_context = context_ratios(kl, base)[0]  # contexts where the baseline's KL is 0 have no ratio
     return dict(
         ratio=ratio, low=low, high=high, worst=float(per_context.max()), contexts=len(kl),
         above=int((per_context > bound).sum()),

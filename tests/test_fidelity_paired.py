@@ -58,3 +58,24 @@ def test_a_failed_press_row_and_a_cut_line_are_skipped_and_the_file_is_left_as_i
     kl_a, kl_b, names = fidelity_paired.paired_kl([(run, "x", "snapkv")], 0.25)
     assert names == [f"{run}:code-2048-s0", f"{run}:prose-2048-s0"] and kl_a.tolist() == [1.1, 0.1]
     assert path.read_text() == text
+
+
+def test_a_context_the_baseline_reproduces_exactly_has_no_per_context_ratio(tmp_path, capsys):
+    """A zero baseline KL made the worst context infinite (the study's own report left such contexts out): every
+    per-context reading now leaves it out, the ratio of means keeps it."""
+    from kvcompress.fidelity.stats import context_ratios
+
+    rng = np.random.default_rng()
+    a, b = rng.uniform(0.01, 1.0, 4), rng.uniform(0.01, 1.0, 4)
+    b[2] = 0.0
+    ratios, covered = context_ratios(a, b)
+    np.testing.assert_array_equal(covered, [True, True, False, True])
+    np.testing.assert_allclose(ratios, np.delete(a, 2) / np.delete(b, 2), rtol=0, atol=0)
+    names = ["c0", "c1", "c2", "c3"]
+    run = _run(tmp_path, "r", [(c, p, 0.25, v) for p, vals in (("x", a), ("snapkv", b))
+                               for c, v in zip(names, vals, strict=True)])  # fmt: skip
+    assert fidelity_paired.main(["--pair", run, "x", "snapkv"]) == 0
+    out = capsys.readouterr().out
+    assert "worst inf" not in out and f"on 4 contexts: {a.mean() / b.mean():.3f}" in out
+    worst = int(np.argmax(ratios))
+    assert f"worst {ratios[worst]:.2f} ({run}:{np.delete(names, 2)[worst]})" in out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.fidelity.stats import bootstrap_mean, bootstrap_ratio
+from kvcompress.fidelity.stats import bootstrap_mean, bootstrap_ratio, context_ratios
 
 METRICS = ("kl", "top1", "needle", "layer_err", "cache_mib", "peak_cache_mib", "prefill_ratio")
 BASELINE = "snapkv"  # the KL ratio's denominator: the press spec labelled exactly this, at the same kept fraction
@@ -75,10 +75,10 @@ def _versus_baseline(label: str, group: list[dict], baseline: list[dict], resamp
     base_lo = bootstrap_mean(base, resamples, seed)[1]
     goal = ratio <= GOAL_RATIO and ours_hi < base_lo and not any(r["kept_everything"] for r in group)
     result = dict(kl_vs_snapkv=ratio, kl_vs_snapkv_lo=lo, kl_vs_snapkv_hi=hi, kl_goal=goal)
-    per_context = [a / b for a, b in zip(ours, base, strict=True) if b > 0]
-    if per_context:
-        mean = sum(per_context) / len(per_context)
-        result.update(kl_ratio_mean=mean, kl_ratio_min=min(per_context), kl_ratio_max=max(per_context))
+    per_context = context_ratios(ours, base)[0]
+    if per_context.size:
+        result.update(kl_ratio_mean=float(per_context.mean()), kl_ratio_min=float(per_context.min()),
+                      kl_ratio_max=float(per_context.max()))  # fmt: skip
     return result
 
 

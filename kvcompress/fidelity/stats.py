@@ -51,3 +51,12 @@ def bootstrap_ratio(
     tail = 100 * (1 - level) / 2
     lo, hi = np.nanpercentile(ratios, [tail, 100 - tail]) if np.isfinite(ratios).any() else (np.nan, np.nan)
     return float(point), float(lo), float(hi)
+
+
+def context_ratios(ours, base) -> tuple[np.ndarray, np.ndarray]:
+    """Per-context ratios ``ours / base`` and the boolean mask of the contexts they cover: those where ``base`` > 0
+    (a context the baseline reproduces exactly would make an infinite ratio; every per-context reading leaves it
+    out, the ratio of means keeps it)."""
+    ours, base = np.asarray(ours, dtype=float), np.asarray(base, dtype=float)
+    kept = base > 0
+    return ours[kept] / base[kept], kept
