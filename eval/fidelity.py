@@ -83,8 +83,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     args = vars(parser.parse_args(argv))
     values = load_yaml(args.pop("config"), DEFAULT_CONFIG, Config)
     values.update({k: v for k, v in args.items() if v is not None})
-    for key in (*LIST_TYPES, "seeds"):  # a YAML scalar where a list belongs would be read item by item (a string)
-        if key in values and key in LIST_TYPES and values[key] is not None and not isinstance(values[key], list):
+    for key in LIST_TYPES:  # a YAML scalar where a list belongs would be read item by item (a string)
+        if values.get(key) is not None and not isinstance(values[key], list):
             raise ValueError(f"{key}: expected a list, got {values[key]!r}")
     return Config(**values)
 
@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.device(cfg.device)
         except RuntimeError:
             raise ValueError(f"device: a torch device such as cpu, cuda or cuda:1, got {cfg.device!r}") from None
-        if model_path_problem(cfg.model):
-            raise ValueError(f"model: {model_path_problem(cfg.model)}")
+        problem = model_path_problem(cfg.model)
+        if problem:
+            raise ValueError(f"model: {problem}")
         out = Path(cfg.output_dir)
         if out.exists() and not out.is_dir():
             raise ValueError(f"output_dir: {out} exists and is not a folder")

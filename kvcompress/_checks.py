@@ -155,3 +155,11 @@ def model_path_problem(name: str | None) -> str | None:
     if path.exists():
         return None if (path / "config.json").exists() else f"{name} is not a model directory (no config.json)"
     return f"{name} does not exist" if name.startswith(("/", ".", "~")) else None
+
+
+def existing_folder(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where making ``path``'s folders would start; a file there means
+    they cannot be made)."""
+    while not path.exists():
+        path = path.parent
+    return path

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress._checks import model_path_problem, one_line
+from kvcompress._checks import existing_folder, model_path_problem, one_line
 from kvcompress.calibration import (
     FULL_COVER,
     FULL_MOST,
@@ -186,9 +186,7 @@ def unwritable(path: Path) -> str | None:
     """Why a file cannot be written at ``path`` (its folder made if missing), or None."""
     if path.is_dir():
         return f"{path} is a directory; name a file (e.g. {path / 'model.json'})"
-    folder = path.parent
-    while not folder.exists():
-        folder = folder.parent
+    folder = existing_folder(path.parent)
     if not folder.is_dir():
         return f"{folder} is a file, not a folder"
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -270,13 +268,13 @@ def main(argv: list[str]) -> int:
         device, dtype = resolve_device_dtype(args.device, args.dtype)
     except ValueError as err:
         p.error(str(err))
-    if model_path_problem(args.model):
-        p.error(f"--model: {model_path_problem(args.model)}")
+    problem = model_path_problem(args.model)
+    if problem:
+        p.error(f"--model: {problem}")
     output = Path(args.output) if args.output else None
-    if output is not None:  # found before the scan, which takes minutes to hours, not after it
-        problem = unwritable(output)
-        if problem:
-            p.error(f"--output: {problem}")
+    problem = unwritable(output) if output is not None else None  # before the scan (minutes to hours), not after
+    if problem:
+        p.error(f"--output: {problem}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:

@@ -113,30 +113,29 @@ def refuse_a_repeat_pass(
         raise ValueError(SLIDING_PADDED_REPEAT)
 
 
-def refuse_non_finite_layers(flags: list[tuple[int, torch.Tensor]], dtype: torch.dtype | None = None) -> None:
-    """Raise if a compressed layer's keys or values held NaN or Inf. ``flags``: per compressed layer, ``(layer
-    index, [2] bool: the prefill's keys and values finite)`` and ``(layer index, [1] bool: the compressed rows'
-    values and weights finite)``, read all at once after the prefill (one host-device sync per prefill)."""
+def refuse_non_finite_layers(
+    flags: list[tuple[int, tuple[str, ...], torch.Tensor]], dtype: torch.dtype | None = None
+) -> None:
+    """Raise if a compressed layer's keys or values held NaN or Inf. ``flags``: ``(layer index, names, bool per
+    name)``, each one's tensors finite: the prefill's ``("keys", "values")`` and, once compressed, its
+    ``("compressed values",)`` (values and weights), read all at once after the prefill (one host-device sync)."""
     if not flags:
         return
-    finite = torch.cat([flag for _, flag in flags]).cpu().tolist()
-    at = 0
-    for layer_idx, flag in flags:
-        names = ("keys", "values") if flag.numel() == 2 else ("compressed values",)
-        for name, ok in zip(names, finite[at : at + flag.numel()], strict=True):
-            if ok:
-                continue
-            if name == "compressed values":
-                raise ValueError(
-                    f"layer {layer_idx} {name}: NaN or Inf after compression: the weighted values (w v) outgrew "
-                    f"{dtype or 'the cache dtype'}; run the model in bfloat16 or float32 (the cache passed in holds "
-                    "no token of this prefill, as before the call)"
-                )
+    finite = torch.cat([flag for _, _, flag in flags]).cpu().tolist()
+    labels = [(layer_idx, name) for layer_idx, names, _ in flags for name in names]
+    for (layer_idx, name), ok in zip(labels, finite, strict=True):
+        if ok:
+            continue
+        if name == "compressed values":
             raise ValueError(
-                f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
-                "cache passed in holds no token of this prefill, as before the call)"
+                f"layer {layer_idx} {name}: NaN or Inf after compression: the weighted values (w v) outgrew "
+                f"{dtype or 'the cache dtype'}; run the model in bfloat16 or float32 (the cache passed in holds "
+                "no token of this prefill, as before the call)"
             )
-        at += flag.numel()
+        raise ValueError(
+            f"layer {layer_idx} {name}: contains NaN or Inf (the model's own prefill produced them; the "
+            "cache passed in holds no token of this prefill, as before the call)"
+        )
 
 
 class LayerChoiceError(ValueError):

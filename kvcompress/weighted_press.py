@@ -120,7 +120,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     _call: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (decoder, input_ids)
     _stream: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: whole pass
     _parked: Any = field(default=None, init=False, repr=False, compare=False)  # None: undecided; False: not parked
-    _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, [2] bool) per layer
+    _finite: list = field(default_factory=list, init=False, repr=False, compare=False)  # (layer, names, bools)
     _positions: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _prefilling's
     _rows: Any = field(default=None, init=False, repr=False, compare=False)  # (n, real_token_rows) of this prefill
     _restore: Any = field(default=None, init=False, repr=False, compare=False)  # puts the cache back as before it
@@ -361,7 +361,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
                 logger.warning_once(f"{type(self).__name__}: a {n}-token context keeps 0 rows; left uncompressed")
             return output
         finite = torch.stack([torch.isfinite(layer.keys).all(), torch.isfinite(layer.values).all()])
-        self._finite.append((module.layer_idx, finite))  # read after the prefill (_finish_prefill)
+        self._finite.append((module.layer_idx, ("keys", "values"), finite))  # read after the prefill
         wanted = self.reads_values()
         if rows is None:
             references = [self.record_reference(module, kwargs, layer.keys, layer.values if wanted else None)]
@@ -424,7 +424,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         # Weighted values (w v, a Nystrom fit) can outgrow a 16-bit dtype where the prefill's values did not: read
         # with the prefill's own flags after it (one sync), the cache put back as before the call if one is not finite
         finite = torch.isfinite(compressed_values).all() & torch.isfinite(weights).all()
-        self._finite.append((module.layer_idx, finite.reshape(1)))
+        self._finite.append((module.layer_idx, ("compressed values",), finite.reshape(1)))
         compressed = WeightedLayer(
             keys=compressed_keys,
             values=compressed_values,

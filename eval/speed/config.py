@@ -207,8 +207,8 @@ def resolve_config(argv: list[str] | None = None) -> Config:
         if model_layers < 1:
             raise ValueError(f"--model-layers: must be an integer >= 1, got {model_layers}")
         cfg.model["num_hidden_layers"] = model_layers
-    numbers = {name: getattr(cfg, name) for name in ("kept", "repeats", "warmup", "seed")}
-    for name, value in numbers.items():  # a YAML string here failed deep inside with a TypeError
+    for name in ("kept", "repeats", "warmup", "seed"):  # a YAML string here failed deep inside with a TypeError
+        value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name}: must be a number, got {value!r}")
     unknown = [name for name in cfg.attn_implementations if name not in ATTN_IMPLEMENTATIONS]

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from kvcompress import registry
+from kvcompress._checks import existing_folder
 from kvcompress.config import load_yaml
 from kvcompress.longbench.config import (
     DEFAULT_METHODS,
@@ -218,9 +219,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
 def _check_run_dir(out: Path, cfg: Config) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir: {out} exists and is not a directory")
-    folder = out.parent
-    while not folder.exists():  # the first folder that exists must be one (made when the first result is written)
-        folder = folder.parent
+    folder = existing_folder(out.parent)  # it must be a folder: the rest is made when the first result is written
     if not folder.is_dir():
         raise UsageError(f"--output-dir: {folder} is a file, not a folder")
     if cfg.score_only and not any(out.glob("predictions/*/*.jsonl")):

@@ -8,19 +8,6 @@ import re
 
 import torch
 
-
-def _byte_level_chars() -> dict[str, int]:
-    """Byte-level BPE's alphabet (GPT-2's): each byte is a printable character, itself where it is one (``!``-``~``,
-    ``¡``-``¬``, ``®``-``ÿ``), else the next code point from 256 on, in byte order. Character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {byte: chr(byte) for byte in printable}
-    for byte in range(256):
-        if byte not in chars:
-            chars[byte] = chr(256 + len(chars) - len(printable))
-    return {char: byte for byte, char in chars.items()}
-
-
-_BYTE_LEVEL = _byte_level_chars()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
 
 
@@ -40,11 +27,18 @@ class TokenBytes:
         """Whether the tokenizer is a byte-level BPE (asked on the first token: an engine may never report bytes)."""
         return self._byte_level(self.tokenizer.encode(self.PROBE, add_special_tokens=False)) == self.PROBE.encode()
 
+    @functools.cached_property
+    def _alphabet(self) -> dict[str, int]:
+        """Byte-level BPE's alphabet (GPT-2's, as transformers builds it): character -> byte."""
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        return {char: byte for byte, char in bytes_to_unicode().items()}
+
     def _byte_level(self, ids: list[int]) -> bytes | None:
-        out = bytearray()
+        out, alphabet = bytearray(), self._alphabet
         for piece in self.tokenizer.convert_ids_to_tokens(ids):
             for char in piece or "":
-                byte = _BYTE_LEVEL.get(char)
+                byte = alphabet.get(char)
                 if byte is None:
                     return None
                 out.append(byte)
