@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from kvcompress._checks import check_compression_ratio
@@ -52,29 +54,41 @@ def _kvpress(cls_name: str, **defaults: Any) -> Callable[[float, int], Any]:
 
 @functools.cache
 def _checked_pyramidkv() -> type:
-    """kvpress's ``PyramidKVPress``, refusing at the end of the prefill a cache whose layers it left of different
-    lengths: transformers (5.2) builds one attention mask for all of a cache's layers, so the next forward, the
-    question's, failed deep inside sdpa ("The size of tensor a (287) must match the size of tensor b (295)").
-    Where its budgets meet their floor (e.g. 25% kept of 1k-token contexts), every layer keeps one length: it runs."""
+    """kvpress's ``PyramidKVPress``, refusing a prefill whose layers it would leave of different lengths, before that
+    prefill writes anything: transformers (5.2) builds one attention mask for all of a cache's layers, so the next
+    forward, the question's, failed deep inside sdpa ("The size of tensor a (287) must match the size of tensor b
+    (295)"). The budgets are kvpress's own (``get_layer_budget`` for every layer index), read in a pre-hook of the
+    first attention layer. Where they meet their floor (e.g. 25% kept of 1k-token contexts), every layer keeps one
+    length: it runs."""
     import kvpress
     from kvpress.presses.base_press import is_prefilling
 
     @dataclass
     class PyramidKVPress(kvpress.PyramidKVPress):
-        def forward_hook(self, module, input, kwargs, output):
-            prefilling = is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
-            output = super().forward_hook(module, input, kwargs, output)
-            layers = kwargs["past_key_values"].layers
-            if prefilling and module.layer_idx == len(layers) - 1:
-                lengths = sorted({layer.keys.shape[-2] for layer in layers if getattr(layer, "keys", None) is not None})
-                if len(lengths) > 1:
-                    raise ValueError(
-                        f"pyramidkv: kvpress's PyramidKVPress left layers of {lengths[0]} to {lengths[-1]} rows at "
-                        f"compression_ratio={self.compression_ratio}, and transformers' attention takes one mask "
-                        "length for every layer, so the next forward would fail inside sdpa; choose another method "
-                        "or a ratio at which its layers keep one length"
-                    )
-            return output
+        def refuse_ragged_layers(self, module, args, kwargs):
+            q_len = kwargs["hidden_states"].shape[1]
+            if self.compression_ratio == 0 or not is_prefilling(kwargs["cache_position"], q_len):
+                return
+            layers = range(module.config.num_hidden_layers)
+            kept = {self.get_layer_budget(SimpleNamespace(config=module.config, layer_idx=i), q_len) for i in layers}
+            if len(kept) > 1:
+                raise ValueError(
+                    f"pyramidkv: kvpress's PyramidKVPress would keep {min(kept)} to {max(kept)} rows per layer of a "
+                    f"{q_len}-token context at compression_ratio={self.compression_ratio}, and transformers' "
+                    "attention takes one mask length for every layer, so the next forward would fail inside sdpa; "
+                    "choose another method or a ratio at which its layers keep one length (the cache is untouched)"
+                )
+
+        @contextmanager
+        def __call__(self, model):
+            language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+            first = language_model.layers[0].self_attn
+            check = first.register_forward_pre_hook(self.refuse_ragged_layers, with_kwargs=True)
+            try:
+                with super().__call__(model):
+                    yield
+            finally:
+                check.remove()
 
     return PyramidKVPress
 

@@ -51,8 +51,9 @@ def test_bad_input_names_the_parameter(args, options, message):
 
 def test_pyramidkv_refuses_a_cache_of_layers_of_different_lengths_and_runs_where_they_are_one():
     """kvpress's PyramidKV gives layers different budgets, and transformers' attention takes one mask length for all
-    of a cache's layers: the forward after such a prefill failed inside sdpa. Ours refuses at the prefill's end,
-    naming the method and the ratio; where every layer keeps one length, the next forward runs."""
+    of a cache's layers: the forward after such a prefill failed inside sdpa. Ours refuses before the prefill writes
+    anything, naming the method and the ratio, and the caller's cache stays usable; where every layer keeps one
+    length, the next forward runs."""
     import torch
     from transformers import DynamicCache
 
@@ -60,9 +61,16 @@ def test_pyramidkv_refuses_a_cache_of_layers_of_different_lengths_and_runs_where
 
     model = tiny_model("llama", num_hidden_layers=4)
     ids = torch.randint(1, 200, (1, 300), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"^pyramidkv: .* left layers of \d+ to \d+ rows at compression_ratio=0.5"):
+    cache = DynamicCache()
+    with pytest.raises(ValueError, match=r"^pyramidkv: .* keep \d+ to \d+ rows per layer of a 300-token context at "
+                       r"compression_ratio=0.5, .*\(the cache is untouched\)$"):  # fmt: skip
         with torch.no_grad(), registry.make_press("pyramidkv", 0.5)(model):
-            model.model(input_ids=ids, past_key_values=DynamicCache())
+            model.model(input_ids=ids, past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    with torch.no_grad(), registry.make_press("snapkv", 0.5)(model):  # the same cache, another press
+        model.model(input_ids=ids, past_key_values=cache)
+    assert {layer.keys.shape[-2] for layer in cache.layers} == {150}
+    assert not model.model.layers[0].self_attn._forward_pre_hooks  # the check left with the press
     cache = DynamicCache()
     with torch.no_grad(), registry.make_press("pyramidkv", 0.75)(model):
         model.model(input_ids=ids, past_key_values=cache)
