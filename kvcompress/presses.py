@@ -49,7 +49,7 @@ class CompressKVPress(WeightedSubsetPress):
     head's mean (weighted by their value's norm: ``novelty_value_norm``), and the ``"induction"`` prior (prefill
     queries, no extra forward) ``induction_share`` of them for the keys the token before each one already picks out
     most sharply (what reading the text again would recall), both before the query sources choose the rest. The
-    default, window + novelty + induction, costs about a SnapKV prefill (1.15x the no-press one on an H200 at 32k):
+    default, window + novelty + induction, costs about a SnapKV prefill (1.10x the no-press one on an H200 at 32k):
     the window's queries keep what the text right after the context needs, the two priors keep the facts asked about
     later (the outlying keys, and the keys the text itself would recall).
     ``repeat_fraction`` < 1: the repeat pass re-reads only that fraction of the context, in pieces of
@@ -211,7 +211,7 @@ class CompressKVPress(WeightedSubsetPress):
         pass over the quarter of the context whose keys are most novel, in pieces of 32 tokens
         (``repeat_pieces="novel"``), max-pooled as ``thorough()``'s: the priors reserve their shares of the middle
         rows, the window's and the second reading's queries choose the rest. About a quarter of ``thorough()``'s
-        extra forward; the fit on the 64 window queries and 64 of the repeat pass's (``fit_queries=64``: 1.95x the
+        extra forward; the fit on the 64 window queries and 64 of the repeat pass's (``fit_queries=64``: 1.88x the
         no-press prefill on an H200 at 32k tokens; ``docs/BENCHMARKS.md``). Its pieces are chosen
         from every layer's novelty, so the pass runs after the prefill, layer by layer; on CUDA each layer's full
         cache waits in pinned host memory until its turn (host memory of the full cache's size, up to twice that:

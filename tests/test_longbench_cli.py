@@ -184,6 +184,8 @@ def test_offline_suite_is_deterministic_and_committed(tmp_path):
         (["--press-option", "compresskv.window=3"], "--press-option: compresskv has no setting 'window'"),
         (["--press-option", "snapkv.window_size=-3"], "--press-option: snapkv.window_size: must be an integer"),
         (["--press-option", "exact.window_size=3"], "--press-option: 'exact' has no press"),
+        (["--methods", "compresskv", "--press-option", "snapkv.window_size=3"],  # was accepted and ignored
+         "--press-option: snapkv is not among --methods (compresskv)"),
         (["--tasks", "trec"], "--dataset: cannot load Xnhyacinth/LongBench (trec_e)"),  # the Hub is offline here
         (["--benchmark", "ruler", "--data-dir", "/tmp"], "--data-dir: not with --benchmark ruler"),  # was ignored
         (["--benchmark", "ruler", "--dataset", "x/y"], "--dataset: not with --benchmark ruler"),

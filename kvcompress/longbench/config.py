@@ -146,11 +146,14 @@ def validate(cfg: Config) -> Config:
 
 
 def check_press_options(cfg: Config) -> None:
-    """Every press option names a method with a press and one of that press's fields, with a valid value."""
+    """Every press option names a method that runs, with a press, and one of that press's fields, with a valid
+    value."""
     for method, options in sorted(cfg.press_options.items()):
         if method not in METHODS or method == "exact":
             pressed = [m for m in METHODS if m != "exact"]
             raise UsageError(f"--press-option: {method!r} has no press; choose from {', '.join(pressed)}")
+        if method not in cfg.methods:  # it would change nothing run, yet name the run (its settings, --output-dir)
+            raise UsageError(f"--press-option: {method} is not among --methods ({', '.join(cfg.methods)})")
         if not options:
             continue
         press = make_press(method, cfg.ratio, cfg.seed)

@@ -30,18 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--method", default="compresskv",
                    help="a press of the method registry, or exact (default compresskv: about 1.2x a plain prefill "
-                        "on CPU, 1.15x on an H200 at 32k tokens, no extra pass over the model, more rows in the "
+                        "on CPU, 1.10x on an H200 at 32k tokens, no extra pass over the model, more rows in the "
                         "layers that read facts back and whole the layers the answers need at the context's length, "
                         "where the model has a calibration (kvcompress calibrate; shipped for the embedded model; "
                         "at 25%% kept above KVzip's scoring on its point estimates); for contexts "
                         "stored and asked many questions, "
                         "compresskv_balanced re-reads the most novel quarter of each (about 2x the prefill on CPU, "
-                        "1.95x on an H200 at 32k tokens) "
+                        "1.88x on an H200 at 32k tokens) "
                         "and answers more than the default (at 25%% kept about as many as the full cache on the "
                         "embedded model, above KVzip's scoring; "
                         "--press-option repeat_fraction=0.125 --press-option repeat_span=8 halves that second "
                         "reading, 1.7x on CPU); "
-                        "compresskv_thorough re-reads all of it (4.3x on CPU and on an H200) and keeps the most "
+                        "compresskv_thorough re-reads all of it (4.3x on CPU, 4.2x on an H200) and keeps the most "
                         "of the continuation: choose it when the text written right after the context matters "
                         "more than the prefill)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
