@@ -39,10 +39,16 @@ QUERY_SOURCES = tuple(source for source in SOURCES if source not in PRIORS)
 
 
 def post_rope_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
-    """The attention module's queries for ``hidden_states [b, m, hidden]`` with RoPE: ``[b, h_q, m, d]``."""
+    """The attention module's queries for ``hidden_states [b, m, hidden]`` with RoPE: ``[b, h_q, m, d]``. A partial
+    rotary embedding (``cos`` / ``sin`` narrower than the head, e.g. Phi-4-mini's ``partial_rotary_factor``) rotates
+    the first channels only, as the model's own attention does."""
     queries = get_prerope_query_states(module, hidden_states)
-    cos, sin = position_embeddings
-    return queries * cos.unsqueeze(1) + rotate_half(queries) * sin.unsqueeze(1)
+    cos, sin = (x.unsqueeze(1) for x in position_embeddings)
+    rotary = cos.shape[-1]
+    if rotary == queries.shape[-1]:
+        return queries * cos + rotate_half(queries) * sin
+    rotated, passed = queries[..., :rotary], queries[..., rotary:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
 
 
 def even_sample(length: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:

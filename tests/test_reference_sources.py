@@ -475,3 +475,33 @@ def test_priors_reserve_their_rows_in_turn_then_the_query_mass_chooses_the_rest(
     assert alone._reserved_rows(100) == {"novelty": 0, "induction": 30}
     with pytest.raises(ValueError, match="induction_share"):
         CompressKVPress(induction_share=-0.1)
+
+
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("phi3", {"partial_rotary_factor": 0.5})])
+def test_post_rope_queries_are_the_queries_the_models_attention_gets(family, overrides):
+    """The press recomputes a layer's post-RoPE queries from its input; they must be the ones the model's attention
+    function receives, also where RoPE rotates only part of each head (Phi-4-mini's ``partial_rotary_factor``:
+    the window, repeat and RPNys sources raised a shape error there, mid-prefill)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny_model(family, num_hidden_layers=1, **overrides)
+    seen = {}
+
+    def recording(module, query, *args, **kwargs):
+        seen["query"] = query
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register("recording_test", recording)
+    model.set_attn_implementation("recording_test")
+    attention = model.model.layers[0].self_attn
+    hook = attention.register_forward_pre_hook(lambda m, a, kw: seen.update(inputs=kw), with_kwargs=True)
+    with torch.no_grad():
+        model(tokens(40, 1))
+    hook.remove()
+    got = post_rope_queries(attention, seen["inputs"]["hidden_states"], seen["inputs"]["position_embeddings"])
+    if overrides:
+        assert seen["inputs"]["position_embeddings"][0].shape[-1] < got.shape[-1]  # partial: the case under test
+    torch.testing.assert_close(got, seen["query"], rtol=0, atol=0)  # the same float32 operations
+    for press in (CompressKVPress.thorough(0.75), CompressKVPress(compression_ratio=0.75, reference=("window",))):
+        assert {layer.keys.shape[2] for layer in compressed_cache(model, press, tokens(CONTEXT, 2)).layers} == {80}

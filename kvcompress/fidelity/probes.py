@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import torch
-from kvpress.utils import get_prerope_query_states
-from transformers.models.llama.modeling_llama import rotate_half
 
 from kvcompress.cache import cache_bytes
+from kvcompress.reference import post_rope_queries
 
 
 class PeakSampler:
@@ -51,8 +50,7 @@ class QueryRecorder:
         start = -self.last if self.last else 0
         hidden = kwargs["hidden_states"][:, start:]
         cos, sin = (x[:, start:] for x in kwargs["position_embeddings"])
-        queries = get_prerope_query_states(module, hidden)
-        self.queries[module.layer_idx] = queries * cos.unsqueeze(1) + rotate_half(queries) * sin.unsqueeze(1)
+        self.queries[module.layer_idx] = post_rope_queries(module, hidden, (cos, sin))
 
     def remove(self) -> None:
         for hook in self.hooks:
