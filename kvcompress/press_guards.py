@@ -95,11 +95,19 @@ def refuse_an_assisted_prefill(press: BasePress) -> None:
 
 
 def refuse_a_repeat_pass(
-    press: BasePress, input_ids: torch.Tensor | None, cache, padded: bool, windows: list[int | None]
-) -> None:
+    press: BasePress, input_ids: torch.Tensor | None, cache, padded: bool, windows: list[int | None],
+    images: bool = False,
+) -> None:  # fmt: skip
     """Raise, before the prefill, for a repeat pass (``reference`` with ``"repeat"``) this call cannot run: without
-    token ids (``inputs_embeds``), or over a padded batch with sliding-window layers (``windows``: the model's
-    window per layer, None where a layer sees every token)."""
+    token ids (``inputs_embeds``), over image features (``images``: a multimodal model's ``pixel_values``), or over a
+    padded batch with sliding-window layers (``windows``: the model's window per layer, None where a layer sees every
+    token)."""
+    if images:
+        raise ValueError(
+            f"pixel_values: {type(press).__name__} with reference 'repeat' reads the context's token ids a second "
+            "time, and they do not carry this call's images; drop 'repeat' from reference (the default press has "
+            "none) for a context with images"
+        )
     if input_ids is None:
         raise ValueError(
             f"input_ids: {type(press).__name__} with reference 'repeat' reads the context's token ids a second "

@@ -115,6 +115,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     _entered: bool = field(default=False, init=False, repr=False, compare=False)
     _snapshot: list = field(default_factory=list, init=False, repr=False, compare=False)
     _attention_mask: Any = field(default=None, init=False, repr=False, compare=False)
+    _wrapper_call: tuple = field(default=(None, None, False), init=False, repr=False, compare=False)  # _before_wrapper
+    _images: bool = field(default=False, init=False, repr=False, compare=False)  # this prefill has image features
     _windows: list = field(default_factory=list, init=False, repr=False, compare=False)
     _prefilled: bool = field(default=False, init=False, repr=False, compare=False)
     _call: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (decoder, input_ids)
@@ -228,6 +230,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             with super().__call__(model):
                 decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
                 hooks = [decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+                if decoder is not model.model:  # a multimodal wrapper hands its decoder a mapping of 4D masks
+                    hooks.append(model.model.register_forward_pre_hook(self._before_wrapper, with_kwargs=True))
                 if "repeat" in self.reference_sources():
                     hooks.append(decoder.register_forward_hook(self._after_prefill, with_kwargs=True))
                     streamed = self._repeat_streamed
@@ -247,9 +251,23 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._deferred.clear()
             self._side.join()
             self._pending, self._repeating, self._entered, self._attention_mask = {}, False, False, None
+            self._wrapper_call, self._images = (None, None, False), False
             self._position_ids = None
             self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
             self._finite, self._positions, self._rows, self._restore = [], (None, None, False), None, None
+
+    def _before_wrapper(self, wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Pre-hook of a multimodal model around the decoder (``Gemma3Model``: ``forward(input_ids, pixel_values,
+        attention_mask, ...)``): its 2D padding mask, which the decoder receives only as a mapping of 4D masks, and
+        its token ids, which the decoder receives only as embeddings."""
+        if not self._repeating:
+
+            def argument(name: str, index: int):
+                return kwargs.get(name, args[index] if len(args) > index else None)
+
+            images = argument("pixel_values", 1) is not None
+            # A text-only call's token ids are the decoder's (a repeat pass reads them again); an image's are not.
+            self._wrapper_call = (argument("attention_mask", 2), None if images else argument("input_ids", 0), images)
 
     def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
@@ -259,9 +277,14 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             def argument(name: str, index: int):  # the decoder's forward(input_ids, attention_mask, ...)
                 return kwargs.get(name, args[index] if len(args) > index else None)
 
-            self._attention_mask = argument("attention_mask", 1)
+            mask, ids = argument("attention_mask", 1), argument("input_ids", 0)
+            wrapper_mask, wrapper_ids, self._images = self._wrapper_call
+            if isinstance(mask, dict):  # a multimodal wrapper's call: the mask and token ids it was given
+                mask, ids = wrapper_mask, ids if ids is not None else wrapper_ids
+            self._wrapper_call = (None, None, False)
+            self._attention_mask = mask
             self._position_ids = argument("position_ids", 2)  # the repeat pass continues them
-            self._call, self._stream = (decoder, argument("input_ids", 0)), None
+            self._call, self._stream = (decoder, ids), None
             self._parked = None
             # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.
             self._finite, self._positions, self._rows, self._restore = [], (None, None, False), None, None
@@ -288,7 +311,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
         if isinstance(cache, DynamicCache):
             self._restore = empty_cache_restorer(cache)
         if "repeat" in self.reference_sources():
-            refuse_a_repeat_pass(self, input_ids, cache, rows is not None, self._windows)
+            refuse_a_repeat_pass(self, input_ids, cache, rows is not None, self._windows, self._images)
 
     def _real_rows(self, batch: int, n: int, device: torch.device) -> list[torch.Tensor] | None:
         """:func:`real_token_rows` of this prefill on ``device``: those the decoder pre-hook read, else read now."""

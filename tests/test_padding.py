@@ -365,3 +365,63 @@ def test_decode_steps_over_a_compressed_cache_keep_their_gradients():
     weight = model.model.layers[0].self_attn.v_proj.weight
     assert weight.grad is not None and bool(weight.grad.abs().sum() > 0)
     assert not cache.layers[0].clip_range(cache.layers[0].keys.shape[-2])[0].requires_grad
+
+
+def gemma3_with_vision_and_its_text_model():
+    """A tiny Gemma3ForConditionalGeneration (sliding and full layers, a vision tower) and a Gemma3ForCausalLM with
+    the same text weights."""
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
+                num_key_value_heads=2, vocab_size=300, sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)  # fmt: skip
+    wrapped = Gemma3ForConditionalGeneration(config).eval()
+    plain = Gemma3ForCausalLM(wrapped.config.text_config).eval()
+    plain.model.load_state_dict(wrapped.model.language_model.state_dict())
+    return wrapped, plain
+
+
+@pytest.mark.parametrize("preset", ["default", "thorough"])
+def test_a_multimodal_wrapper_gives_its_text_models_cache(preset):
+    """Gemma3ForConditionalGeneration hands its language model a mapping of 4D masks and embeddings, not the padding
+    mask and token ids the press reads (every press raised on the mapping): they come from the wrapper's own call,
+    and the cache is the one the same text weights give without the wrapper (a left-padded batch for the default;
+    one row for thorough(), whose repeat pass re-reads the token ids and refuses padding over sliding layers)."""
+    wrapped, plain = gemma3_with_vision_and_its_text_model()
+    make = CompressKVPress.thorough if preset == "thorough" else lambda ratio: CompressKVPress(compression_ratio=ratio)
+    contexts = [random_ids(n, seed=n) for n in ((300, 170) if preset == "default" else (300,))]
+    ids, mask = pad_rows(contexts, "left")
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = []
+    for model in (wrapped, plain):
+        cache = DynamicCache(config=plain.config)
+        with torch.no_grad(), make(0.75)(model):
+            model.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        caches.append(cache)
+    for got, expected in zip(*(cache.layers for cache in caches), strict=True):
+        assert got.keys.shape == expected.keys.shape and got.keys.shape[-2] < ids.shape[1]
+        torch.testing.assert_close(got.keys, expected.keys, rtol=0, atol=0)  # the same operations
+        torch.testing.assert_close(got.values, expected.values, rtol=0, atol=0)
+        if isinstance(got, WeightedLayer):
+            torch.testing.assert_close(got.row_weights, expected.row_weights, rtol=0, atol=0)
+
+
+def test_a_repeat_pass_over_an_image_is_refused_before_the_prefill():
+    """thorough()'s second reading re-reads token ids, which do not carry an image's features: refused, naming
+    pixel_values, with the cache untouched; the default press compresses the same call."""
+    wrapped, _ = gemma3_with_vision_and_its_text_model()
+    ids = torch.cat([random_ids(100, 1), torch.tensor([[297, 299, 299, 299, 299, 298]]), random_ids(100, 2)], 1)
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache(config=wrapped.config.text_config)
+    with pytest.raises(ValueError, match=r"^pixel_values: CompressKVPress with reference 'repeat' .* images"):
+        with torch.no_grad(), CompressKVPress.thorough(0.75)(wrapped):
+            wrapped(input_ids=ids, pixel_values=pixels, past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    with torch.no_grad(), CompressKVPress(compression_ratio=0.75)(wrapped):
+        wrapped(input_ids=ids, pixel_values=pixels, past_key_values=cache)
+    assert cache.get_seq_length() == ids.shape[1] and cache.layers[1].keys.shape[-2] == int(ids.shape[1] * 0.25)
