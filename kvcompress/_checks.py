@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +23,27 @@ def check_float_tensor(name: str, x: object, min_dim: int = 0, ndim: int | None 
     return x
 
 
+def _is_number(value: object) -> bool:
+    """A real number that is not a bool: Python's or a numpy scalar (``numbers.Real``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def plain_scalars(obj: Any) -> None:
+    """Replace numpy scalars in a dataclass's fields by the Python numbers they hold (``np.float32(0.5)`` -> 0.5),
+    so the checks, the arithmetic and the settings written as JSON see plain ints and floats."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, numbers.Number) and not isinstance(value, (bool, int, float)) and hasattr(value, "item"):
+            setattr(obj, f.name, value.item())
+
+
 def check_int_range(name: str, value: object, low: int, high: int | None = None) -> int:
     bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low or (
+        high is not None and value > high
+    ):  # fmt: skip
         raise ValueError(f"{name}: must be an int {bound}, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_layer_list(name: str, value: object) -> tuple[int, ...] | str:
@@ -42,13 +60,13 @@ def check_layer_list(name: str, value: object) -> tuple[int, ...] | str:
 
 def check_compression_ratio(value: object) -> float:
     """A press's ``compression_ratio``: the fraction of the context removed, in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:  # NaN fails too
+    if not _is_number(value) or not 0 <= value < 1:  # NaN fails too
         raise ValueError(f"compression_ratio: must be a number in [0, 1) (the fraction removed), got {value!r}")
     return float(value)
 
 
 def check_number(name: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    bad = not _is_number(value) or not math.isfinite(value)
     bad = bad or (value <= low if low_open else value < low) or (high is not None and value > high)
     if bad:
         bounds = (
@@ -63,7 +81,7 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
     return float(value)
 

@@ -130,7 +130,7 @@ def make_press(name: str, compression_ratio: float, seed: int = 0, **options: An
     single fields of its dataclass (the press checks them). ``seed`` seeds our randomised presses."""
     if name not in METHODS:
         raise ValueError(f"method: unknown method {name!r}; choose from {', '.join(METHODS)}")
-    check_compression_ratio(compression_ratio)  # kvpress's presses only assert it
+    compression_ratio = check_compression_ratio(compression_ratio)  # kvpress's presses only assert it
     press = METHODS[name].build(compression_ratio, seed)
     if press is None:
         if options:

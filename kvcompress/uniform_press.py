@@ -24,6 +24,11 @@ class UniformPress(WeightedSubsetPress):
 
     weighted: bool = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.weighted, bool):
+            raise ValueError(f"weighted: must be True or False, got {self.weighted!r}")
+
     def compress_middle(self, module, keys, values, start, end, rows, reference):
         keys, values = keys[:, :, start:end], values[:, :, start:end]
         batch, heads, length, _ = keys.shape

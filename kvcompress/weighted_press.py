@@ -35,7 +35,7 @@ from kvpress.presses.base_press import BasePress, is_prefilling
 from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from kvcompress._checks import check_compression_ratio, check_int_range
+from kvcompress._checks import check_compression_ratio, check_int_range, plain_scalars
 from kvcompress.cache import WeightedLayer, check_cache, empty_cache_restorer, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
@@ -130,6 +130,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
     _deferred: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (cache, state)
 
     def __post_init__(self) -> None:
+        plain_scalars(self)
         check_compression_ratio(self.compression_ratio)
         check_int_range("sink_size", self.sink_size, 0)
         check_int_range("window_size", self.window_size, 0)

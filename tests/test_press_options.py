@@ -314,6 +314,30 @@ def test_bad_options_get_one_line_errors_naming_them(kwargs, name):
     assert "\n" not in str(error.value)
 
 
+def test_numpy_scalars_are_numbers_and_uniform_press_checks_weighted():
+    """A ratio or a window from numpy (a config computed with numpy) is a number: taken as the Python number it holds
+    (settings are written as JSON); out of range it is refused like any other. ``UniformPress.weighted`` is a bool
+    ("no" was truthy: the weighted estimator ran)."""
+    import json
+
+    import numpy as np
+
+    from kvcompress import UniformPress
+    from kvcompress.registry import make_press
+
+    press = CompressKVPress(compression_ratio=np.float32(0.75), window_size=np.int64(32), novelty_share=np.float32(0.5))
+    assert (press.compression_ratio, press.window_size, press.novelty_share) == (0.75, 32, 0.5)
+    assert {type(press.compression_ratio), type(press.window_size)} == {float, int}
+    json.dumps({"ratio": press.compression_ratio, "window": press.window_size})
+    assert make_press("snapkv", np.float32(0.5)).compression_ratio == 0.5
+    with pytest.raises(ValueError, match=r"^compression_ratio: must be a number in \[0, 1\)"):
+        CompressKVPress(compression_ratio=np.float32(1.5))
+    with pytest.raises(ValueError, match="^window_size: must be an int >= 0"):
+        CompressKVPress(window_size=np.float64(3.0))
+    with pytest.raises(ValueError, match="^weighted: must be True or False, got 'no'"):
+        UniformPress(compression_ratio=0.5, weighted="no")
+
+
 @pytest.mark.parametrize("ratio", [float("nan"), 1.0, 1.5, -0.5, "0.5", None])
 def test_a_ratio_set_after_construction_is_checked_on_entry(ratio):
     """kvpress's benchmarks set ``press.compression_ratio`` on a built press: a bad value is refused when the press
