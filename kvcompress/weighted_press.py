@@ -32,22 +32,20 @@ from typing import Any
 
 import torch
 from kvpress.presses.base_press import BasePress, is_prefilling
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_compression_ratio, check_int_range, plain_scalars
-from kvcompress.cache import WeightedLayer, check_cache, empty_cache_restorer, install_compressed_layer
+from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
-from kvcompress.padding import real_token_rows, row_kwargs, stack_rows
+from kvcompress.padding import row_kwargs, stack_rows
+from kvcompress.prefill_call import PrefillCallHooks
 from kvcompress.press_guards import (
     check_supported_model,
-    refuse_a_repeat_pass,
     refuse_a_second_press,
     refuse_a_wrapper,
-    refuse_an_assisted_prefill,
     refuse_non_finite_layers,
-    refuse_other_presses,
 )
 from kvcompress.reference import LayerReference
 from kvcompress.repeat_hooks import RepeatPassHooks
@@ -85,7 +83,7 @@ def split_budget(tokens: int, budget: int, sink: int, window: int) -> RowPlan:
 
 
 @dataclass
-class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
+class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHooks, BasePress):
     """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
 
     After compression each head holds exactly ``int(n * (1 - compression_ratio))`` rows of an n-token
@@ -256,70 +254,6 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, BasePress):
             self._position_ids = None
             self._prefilled, self._call, self._stream, self._parked = False, (None, None), None, None
             self._finite, self._positions, self._rows, self._restore = [], (None, None, False), None, None
-
-    def _before_wrapper(self, wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Pre-hook of a multimodal model around the decoder (``Gemma3Model``: ``forward(input_ids, pixel_values,
-        attention_mask, ...)``): its 2D padding mask, which the decoder receives only as a mapping of 4D masks, and
-        its token ids, which the decoder receives only as embeddings."""
-        if not self._repeating:
-
-            def argument(name: str, index: int):
-                return kwargs.get(name, args[index] if len(args) > index else None)
-
-            images = argument("pixel_values", 1) is not None
-            # A text-only call's token ids are the decoder's (a repeat pass reads them again); an image's are not.
-            self._wrapper_call = (argument("attention_mask", 2), None if images else argument("input_ids", 0), images)
-
-    def _before_forward(self, decoder: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Decoder pre-hook: remember the call's padding mask, decoder and token ids (the repeat pass's calls are
-        ours), and refuse what the layers' hooks could only refuse halfway through the prefill."""
-        if not self._repeating:
-
-            def argument(name: str, index: int):  # the decoder's forward(input_ids, attention_mask, ...)
-                return kwargs.get(name, args[index] if len(args) > index else None)
-
-            mask, ids = argument("attention_mask", 1), argument("input_ids", 0)
-            wrapper_mask, wrapper_ids, self._images = self._wrapper_call
-            if isinstance(mask, dict):  # a multimodal wrapper's call: the mask and token ids it was given
-                mask, ids = wrapper_mask, ids if ids is not None else wrapper_ids
-            self._wrapper_call = (None, None, False)
-            self._attention_mask = mask
-            self._position_ids = argument("position_ids", 2)  # the repeat pass continues them
-            self._call, self._stream = (decoder, ids), None
-            self._parked = None
-            # A static-shape pipeline may write a new prefill's positions into the last call's buffer: read again.
-            self._finite, self._positions, self._rows, self._restore = [], (None, None, False), None, None
-            self._refuse_before_the_prefill(argument("inputs_embeds", 4), argument("past_key_values", 3))
-
-    def _refuse_before_the_prefill(self, inputs_embeds: torch.Tensor | None, cache) -> None:
-        """Raise, before any layer writes the cache, for a call this press would compress but refuse in a layer's
-        hook or after the prefill: a cache it cannot compress, another press entered inside this one's block, a
-        batch row of padding only, a repeat pass without token ids, a padded repeat pass over sliding-window
-        layers. One host read of the mask per prefill (none for decode steps). Remembers the empty cache, put back
-        if the prefill's layers turn out to hold NaN or Inf (:meth:`_finish_prefill`)."""
-        input_ids = self._call[1]
-        tokens = input_ids if input_ids is not None else inputs_embeds
-        if tokens is None or tokens.shape[1] < 2 or self.plan(tokens.shape[1]) is None:
-            return
-        if cache is not None and cache.get_seq_length() > 0:
-            return  # not a prefill: nothing is compressed
-        if cache is not None:
-            check_cache(cache)  # here, not in a layer's hook: a refused cache stays as it was
-        refuse_other_presses(self, self._call[0])  # a press entered inside this one's block
-        refuse_an_assisted_prefill(self)
-        rows = real_token_rows(self._attention_mask, tokens.shape[0], tokens.shape[1], tokens.device)
-        self._rows = (tokens.shape[1], rows)  # the layers' hooks take them from here (one host read per prefill)
-        if isinstance(cache, DynamicCache):
-            self._restore = empty_cache_restorer(cache)
-        if "repeat" in self.reference_sources():
-            refuse_a_repeat_pass(self, input_ids, cache, rows is not None, self._windows, self._images)
-
-    def _real_rows(self, batch: int, n: int, device: torch.device) -> list[torch.Tensor] | None:
-        """:func:`real_token_rows` of this prefill on ``device``: those the decoder pre-hook read, else read now."""
-        if self._rows is None or self._rows[0] != n:
-            return real_token_rows(self._attention_mask, batch, n, device)
-        rows = self._rows[1]
-        return None if rows is None else [index.to(device) for index in rows]
 
     @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def _finish_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
