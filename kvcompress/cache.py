@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
 from kvcompress.attention import fold_value_range_
 
@@ -366,9 +366,12 @@ def cache_bytes(cache: DynamicCache, by_kind: bool = False) -> int | dict[str, i
 def check_cache(cache: object) -> None:
     """Raise ValueError unless ``cache`` is a transformers DynamicCache kvcompress can compress (not offloaded)."""
     if not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False):
+        static = isinstance(cache, StaticCache)  # also what generate(..., cache_implementation="static") builds
         raise ValueError(
             f"past_key_values: kvcompress compresses a transformers DynamicCache (not offloaded), got "
             f"{type(cache).__name__}"
+            + ("; for compiled decode steps pass kvcompress.StaticWeightedCache(max_new_tokens=...) as "
+               "past_key_values instead (README, 'Compiled decode')" if static else "")
         )
 
 

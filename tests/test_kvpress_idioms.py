@@ -133,14 +133,21 @@ def test_unpadded_batch_row_equals_the_row_alone(model, name):
 
 
 def test_a_cache_the_press_cannot_compress_is_refused_before_it_is_written(model):
-    """A StaticCache passed to a prefill under our press: refused before layer 0 wrote its rows (it held 96)."""
+    """A StaticCache passed to a prefill under our press: refused before layer 0 wrote its rows (it held 96), naming
+    the static cache that does work; likewise the one ``generate(cache_implementation="static")`` builds."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=128)
-    with pytest.raises(ValueError, match="^past_key_values: kvcompress compresses a transformers DynamicCache"):
+    expected = r"^past_key_values: kvcompress compresses a transformers DynamicCache.*StaticWeightedCache"
+    with pytest.raises(ValueError, match=expected):
         with torch.no_grad(), CompressKVPress(compression_ratio=0.5)(model):
             model(torch.randint(0, 256, (1, 96)), past_key_values=cache)
     assert cache.get_seq_length() == 0
+    ids = torch.randint(0, 256, (1, 96))
+    with pytest.raises(ValueError, match=expected):
+        with torch.no_grad(), CompressKVPress(compression_ratio=0.5)(model):
+            model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="static", max_new_tokens=2,
+                           do_sample=False)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["assistant_model", "prompt_lookup_num_tokens"])
