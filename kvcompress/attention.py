@@ -260,34 +260,68 @@ def _weighted_attention_torch(
     ``causal_offset`` also an int64 tensor of one element or ``[b]`` (each batch row's), as the kernel takes it.
 
     When nothing is hidden (no key mask, and an int ``causal_offset`` at or past the last key: a decode step over
-    its own cache) every row sees a key, so a fused softmax stands in for the masked max-subtracted exponentials:
-    the normalisation cancels in the ratio of Alg. 3, and the step issues about a third of the operators."""
-    batch, heads_q, m, dim = queries.shape
-    _, heads_kv, n, _ = keys.shape
+    its own cache) every row sees a key, so a fused softmax stands in for the masked max-subtracted exponentials
+    (:func:`_visible_exponentials`): the normalisation cancels in the ratio of Alg. 3, and the step issues about a
+    third of the operators."""
+    batch, heads_q, m, _ = queries.shape
     d_v = values.shape[-1]
     compute = _compute_dtype(queries, weights)
+    probs = _visible_exponentials(queries, keys, scaling, causal_offset, key_mask, compute)
+    numerator = probs @ _as(values, compute)
+    denominator = probs @ _as(weights, compute).unsqueeze(-1)
+    out = numerator.div_(denominator).masked_fill_(denominator <= 0, 0.0)  # a denominator <= 0 gives 0 (Alg. 3)
+    return _clipped(out, v_min, v_max).reshape(batch, heads_q, m, d_v).to(values.dtype)
+
+
+def _visible_exponentials(queries, keys, scaling, causal_offset, key_mask, compute: torch.dtype) -> torch.Tensor:
+    """``[b, h_kv, g*m, n]`` in ``compute``: each query's ``e^{s - c}`` over the keys it sees (0 elsewhere), ``c`` a
+    constant per query row (it cancels in every ratio taken of them), the query heads of a KV head's group as rows.
+
+    When nothing is hidden (no key mask, and an int ``causal_offset`` at or past the last key: a decode step over
+    its own cache) a fused softmax stands in for the masked max-subtracted exponentials."""
+    batch, heads_q, m, dim = queries.shape
+    _, heads_kv, n, _ = keys.shape
     group = heads_q // heads_kv
     q = _as(queries, compute).reshape(batch, heads_kv, group * m, dim)
     logits = (q @ _as(keys, compute).transpose(-1, -2)).mul_(scaling)  # [b, h_kv, g*m, n]
     hides_keys = isinstance(causal_offset, torch.Tensor) or (causal_offset is not None and causal_offset < n - 1)
     if key_mask is None and not hides_keys:
-        probs = torch.softmax(logits, -1)
-    else:
-        if causal_offset is not None:
-            rows = torch.arange(m, device=queries.device).repeat(group)
-            if isinstance(causal_offset, torch.Tensor):  # [1] or [b]: [b or 1, 1, g*m, 1]
-                causal_offset = causal_offset.view(-1, 1, 1, 1)
-            allowed = torch.arange(n, device=queries.device)[None, :] <= causal_offset + rows[:, None]
-            logits = logits.masked_fill(~allowed, -math.inf)
-        if key_mask is not None:
-            logits = logits.masked_fill(~key_mask[:, None, None, :], -math.inf)
-        # Subtract the row max (it cancels); a row with no visible key has max -inf and gets output 0.
-        row_max = logits.amax(-1, keepdim=True)
-        probs = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0.0))
-    numerator = probs @ _as(values, compute)
-    denominator = probs @ _as(weights, compute).unsqueeze(-1)
-    out = numerator.div_(denominator).masked_fill_(denominator <= 0, 0.0)  # a denominator <= 0 gives 0 (Alg. 3)
-    return _clipped(out, v_min, v_max).reshape(batch, heads_q, m, d_v).to(values.dtype)
+        return torch.softmax(logits, -1)
+    if causal_offset is not None:
+        rows = torch.arange(m, device=queries.device).repeat(group)
+        if isinstance(causal_offset, torch.Tensor):  # [1] or [b]: [b or 1, 1, g*m, 1]
+            causal_offset = causal_offset.view(-1, 1, 1, 1)
+        allowed = torch.arange(n, device=queries.device)[None, :] <= causal_offset + rows[:, None]
+        logits = logits.masked_fill(~allowed, -math.inf)
+    if key_mask is not None:
+        logits = logits.masked_fill(~key_mask[:, None, None, :], -math.inf)
+    # Subtract the row max (it cancels); a row with no visible key has max -inf and gets all 0.
+    row_max = logits.amax(-1, keepdim=True)
+    return torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0.0))
+
+
+def weighted_attention_probabilities(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    scaling: float,
+    causal_offset: int | torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each query's distribution over the weighted rows in Alg. 3, ``a_j = w_j e^{s_j} / sum_i w_i e^{s_i}`` over the
+    keys it sees: the share of the attention mass of the tokens row ``j`` stands for (what ``output_attentions``
+    reports over a compressed cache). The output before clipping is ``sum_j a_j v_j / w_j`` (a row's value is ``w_j``
+    times the value it stands for). Arguments as :func:`weighted_attention`'s; returns ``[b, h_q, m, n]`` in
+    ``queries.dtype`` (float32 math, float64 for float64 inputs), 0 on hidden keys and on a query whose denominator
+    is <= 0 (weights may be negative, and so may a share)."""
+    batch, heads_q, m, _ = queries.shape
+    compute = _compute_dtype(queries, weights)
+    probs = _visible_exponentials(queries, keys, scaling, causal_offset, key_mask, compute)
+    shares = probs * _as(weights, compute).unsqueeze(-2)
+    denominator = shares.sum(-1, keepdim=True)
+    shares = shares.div_(denominator).masked_fill_(denominator <= 0, 0.0)
+    return shares.reshape(batch, heads_q, m, keys.shape[-2]).to(queries.dtype)
 
 
 def _weighted_attention_sdpa(

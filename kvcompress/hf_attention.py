@@ -26,7 +26,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
 import kvcompress.ops  # noqa: F401  (registers torch.ops.kvcompress.weighted_attention_rows)
-from kvcompress.attention import merge_partial_attentions, weighted_attention_unchecked
+from kvcompress.attention import (
+    merge_partial_attentions,
+    weighted_attention_probabilities,
+    weighted_attention_unchecked,
+)
 from kvcompress.cache import layer_of
 
 ATTENTION_NAME = "kvcompress"
@@ -252,64 +256,82 @@ def kvcompress_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention function: query ``[b, h_q, q, d]``, key/value ``[b, h_kv, n, d]``; the stock functions'
     parameter order (``dropout`` sixth: kvpress's attention patch, which wraps every registered function when
     kvpress is imported, passes it by position).
 
-    Returns ``([b, q, h_q, d], None)`` like the stock functions. On a compressed layer the new tokens
+    Returns ``([b, q, h_q, d], weights)``: ``weights`` None unless the forward collects attentions
+    (``output_attentions=True``, outside compiled code), then ``[b, h_q, q, keys]``: eager attention's softmax on an
+    ordinary layer, each query's distribution over the weighted rows on a compressed one
+    (:func:`~kvcompress.attention.weighted_attention_probabilities`). On a compressed layer the new tokens
     are the last ``q`` rows, causal among themselves; they see every earlier real row: filler rows of the
     compressed context and padded later tokens (from ``attention_mask``, built in token space) are masked.
     """
-    if not torch.compiler.is_compiling() and _attentions_requested():
-        logger.warning_once(
-            "kvcompress: output_attentions: the kvcompress attention (which a press sets on the model for good) "
-            "returns no attention weights, so `attentions` comes back empty; over a compressed cache they would "
-            "be weights over weighted rows"
-        )
+    asked = kwargs.pop("output_attentions", False)  # we answer it: stock sdpa would only warn
+    weights_wanted = not torch.compiler.is_compiling() and (asked or _attentions_requested())
     layer = layer_of(key)
     if layer is None:
+        out = None
         prefill_rows = _PREFILL_ROWS.get()
         if prefill_rows is not None and dropout == 0.0:
             out = _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling, kwargs, prefill_rows)
-            if out is not None:
-                return out, None
-        if _NEW_TOKENS_SEE_ALL_CACHED.get() and dropout == 0.0:
-            out = _lower_right_causal_sdpa(module, query, key, value, scaling, kwargs)
-            if out is not None:
-                return out, None
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        if _NEW_TOKENS_SEE_ALL_CACHED.get():  # a repeat pass's chunk: the press's reading, not the caller's layers
+            weights_wanted = False
+            if out is None and dropout == 0.0:
+                out = _lower_right_causal_sdpa(module, query, key, value, scaling, kwargs)
+        if out is None:
+            out = ALL_ATTENTION_FUNCTIONS["sdpa"](
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )[0]
+        return out, _softmax_weights(query, key, attention_mask, scaling) if weights_wanted else None
     if getattr(layer, "is_sliding", False):  # a static window layer: stock sdpa under its ring's mask
         mask = layer.window_mask(attention_mask)
-        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        return sdpa(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+        out = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, scaling=scaling, dropout=dropout,
+                                              **kwargs)[0]  # fmt: skip
+        return out, _softmax_weights(query, key, mask, scaling) if weights_wanted else None
     scaling = _resolved_scaling(query, scaling)
     if getattr(layer, "is_compileable", False):  # a static layer: visibility on the device, one custom op
         key_mask, offset, v_min, v_max = layer.attention_inputs(attention_mask)
+        weights = layer.row_weights
         out = torch.ops.kvcompress.weighted_attention_rows(
-            query, key, value, layer.row_weights, key_mask, offset, v_min, v_max, scaling
+            query, key, value, weights, key_mask, offset, v_min, v_max, scaling
         )
-        return out.transpose(1, 2).contiguous(), None
-    rows, q_len = key.shape[-2], query.shape[-2]
-    key_mask = layer.key_mask(rows, attention_mask)
-    offsets = layer.row_offsets  # a decode batch's per-row causal offsets on CUDA; else None
-    v_min, v_max, fold_from = layer.clip_range(rows)
-    out = weighted_attention_unchecked(
-        query,
-        key,
-        value,
-        layer.weights_for(rows),
-        scaling=scaling,
-        v_min=v_min,
-        v_max=v_max,
-        causal_offset=rows - q_len if offsets is None else offsets,
-        key_mask=key_mask,
-        fold_from=fold_from,
-    )
-    layer.folded(rows)
-    return out.transpose(1, 2).contiguous(), None
+    else:
+        rows, q_len = key.shape[-2], query.shape[-2]
+        key_mask = layer.key_mask(rows, attention_mask)
+        offsets = layer.row_offsets  # a decode batch's per-row causal offsets on CUDA; else None
+        offset = rows - q_len if offsets is None else offsets
+        v_min, v_max, fold_from = layer.clip_range(rows)
+        weights = layer.weights_for(rows)
+        out = weighted_attention_unchecked(
+            query, key, value, weights, scaling=scaling, v_min=v_min, v_max=v_max, causal_offset=offset,
+            key_mask=key_mask, fold_from=fold_from,
+        )  # fmt: skip
+        layer.folded(rows)
+    shares = None
+    if weights_wanted:
+        shares = weighted_attention_probabilities(query, key, weights, scaling=scaling, causal_offset=offset,
+                                                  key_mask=key_mask)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), shares
+
+
+def _softmax_weights(query, key, attention_mask, scaling) -> torch.Tensor:
+    """``output_attentions``' weights of an ordinary (unweighted) call, as transformers' eager attention gives them:
+    the softmax (float32, cast to the query's dtype) of the scaled logits under ``attention_mask`` (sdpa's 4D mask,
+    bool or additive float; None: causal, lower-right, as sdpa runs it), ``[b, h_q, q, keys]``."""
+    scaling = _resolved_scaling(query, scaling)
+    keys = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
+    logits = (query @ keys.transpose(-1, -2)).float() * scaling
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if attention_mask is None:
+        rows = torch.arange(q_len, device=query.device)[:, None]
+        attention_mask = torch.arange(k_len, device=query.device) <= rows + (k_len - q_len)
+    if attention_mask.dtype == torch.bool:  # eager's float masks: a row of padding only is uniform, not NaN
+        logits = logits.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+    else:
+        logits = logits + attention_mask.float()
+    return torch.softmax(logits, -1).to(query.dtype)
 
 
 def register() -> None:

@@ -326,3 +326,50 @@ def test_cpu_auto_runs_sdpa_from_the_threshold_and_per_row_offsets_agree(monkeyp
                                            causal_offset=offset)  # fmt: skip
             torch.testing.assert_close(out[row : row + 1], ref, rtol=1e-12, atol=1e-12)
     assert calls == [attention.SDPA_MIN_QUERIES]
+
+
+def naive_row_shares(q, k, w, scaling, causal_offset=None, key_mask=None):
+    """``w_j e^{s_j} / sum_i w_i e^{s_i}`` over the visible keys, one query at a time in float64 (0 where hidden, or
+    where the denominator is <= 0)."""
+    q, k, w = q.double(), k.double(), w.double()
+    batch, heads_q, m, _ = q.shape
+    heads_kv, n = k.shape[1], k.shape[2]
+    out = torch.zeros(batch, heads_q, m, n, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads_q):
+            kv = h // (heads_q // heads_kv)
+            for i in range(m):
+                visible = [j for j in range(n) if (causal_offset is None or j <= causal_offset + i)
+                           and (key_mask is None or key_mask[b, j])]  # fmt: skip
+                terms = {j: w[b, kv, j] * torch.exp(scaling * q[b, h, i] @ k[b, kv, j]) for j in visible}
+                den = sum(terms.values())
+                if visible and den > 0:
+                    for j, term in terms.items():
+                        out[b, h, i, j] = term / den
+    return out
+
+
+@pytest.mark.parametrize("dtype, rounding, math_tol", [(torch.float64, 1e-15, 1e-12), (torch.float32, 2**-24, 1e-5),
+                                                        (torch.bfloat16, 2**-8, 1e-5)])  # fmt: skip
+@pytest.mark.parametrize("offset, masked", [(None, False), (6, True), (13, True)])
+def test_row_shares_are_the_weighted_distribution_the_output_averages(dtype, rounding, math_tol, offset, masked):
+    """``weighted_attention_probabilities`` (what output_attentions reports over a compressed cache) against the
+    float64 definition on the same (rounded) inputs, with some weights negative (a query whose denominator is <= 0
+    gets 0 shares), a causal offset and a key mask; its average of ``v_j / w_j`` is weighted attention's output.
+    Tolerance: the result's rounding of each share, plus the float32 math's error amplified by the cancellation in
+    the denominator (``sum_j |a_j|``, 1 when no weight is negative)."""
+    from kvcompress.attention import weighted_attention_probabilities
+
+    q, k, v, w = random_inputs(2, 6, 2, 4, 14, 16, dtype=dtype, seed=11)
+    w[1, 0] = -torch.rand(14) - 0.1  # a head whose every denominator is negative
+    key_mask = torch.rand(2, 14, generator=torch.Generator().manual_seed(2)) > 0.3 if masked else None
+    shares = weighted_attention_probabilities(q, k, w, scaling=0.4, causal_offset=offset, key_mask=key_mask)
+    assert shares.dtype == dtype and shares.shape == (2, 6, 4, 14)
+    ref = naive_row_shares(q, k, w, 0.4, offset, key_mask)
+    bound = rounding * ref.abs() + math_tol * ref.abs().sum(-1, keepdim=True)
+    assert bool(((shares.double() - ref).abs() <= bound).all())
+    assert bool((shares[1, :3] == 0).all())  # the negative head's group of three query heads
+    out = weighted_attention(q.double(), k.double(), v.double(), w.double(), scaling=0.4, causal_offset=offset,
+                             key_mask=key_mask)  # fmt: skip
+    average = ref @ (v.double() / w.double()[..., None]).repeat_interleave(3, 1)
+    torch.testing.assert_close(average, out, rtol=1e-12, atol=1e-12)

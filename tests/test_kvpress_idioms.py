@@ -171,19 +171,90 @@ def test_assisted_generation_under_the_press_is_refused_and_a_compressed_cache_s
     assert torch.equal(answers[0], answers[1])
 
 
-def test_output_attentions_over_the_press_attention_warns_that_none_come_back(model, caplog):
-    from transformers.utils import logging as hf_logging
+def test_output_attentions_of_a_plain_call_are_the_eager_models(model):
+    """After a press the model keeps the kvcompress attention; a call over a cache that was never compressed returns
+    the attention weights and outputs of the same weights loaded with ``attn_implementation="eager"`` (a left-padded
+    prefill, then two tokens), within float32 rounding."""
+    from kvcompress.hf_attention import use_weighted_attention
+
+    ours, eager = tiny_model("llama"), tiny_model("llama")
+    use_weighted_attention(ours)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(1, 256, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    steps = []
+    for net in (ours, eager):
+        cache = DynamicCache()
+        with torch.no_grad():
+            first = net(ids, attention_mask=mask, past_key_values=cache, output_attentions=True)
+            new = torch.tensor([[7, 8], [9, 10]])
+            second = net(new, attention_mask=torch.cat([mask, torch.ones_like(new)], 1), past_key_values=cache,
+                         output_attentions=True)  # fmt: skip
+        steps.append((first, second))
+    real_queries = (mask.bool(), torch.ones(2, 2, dtype=torch.bool))  # a padded query's row is not compared
+    for got, expected, real in zip(steps[0], steps[1], real_queries, strict=True):
+        assert len(got.attentions) == len(expected.attentions) == ours.config.num_hidden_layers
+        for a, b in zip(got.attentions, expected.attentions, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.logits[real], expected.logits[real], rtol=1e-4, atol=1e-5)
+    # Under a press with a repeat pass: one entry per layer (the pass's own reading is not the caller's), eager's.
+    with torch.no_grad(), CompressKVPress.thorough(0.5)(ours):
+        pressed = ours(ids[:1], past_key_values=DynamicCache(), output_attentions=True)
+    with torch.no_grad():
+        reference = eager(ids[:1], output_attentions=True)
+    assert len(pressed.attentions) == len(reference.attentions) == ours.config.num_hidden_layers
+    for a, b in zip(pressed.attentions, reference.attentions, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_output_attentions_over_a_compressed_cache_are_each_querys_shares_of_the_rows(model):
+    """Over a compressed cache (a left-padded batch: filler rows), a 3-token step with ``output_attentions=True``
+    gives the logits of the same step without it, and per layer ``[b, heads, 3, rows]`` shares equal to the float64
+    definition ``w_j e^{s_j} / sum_i w_i e^{s_i}`` from the layer's own queries (recorded at the attention call):
+    summing to 1, 0 on filler rows and on later tokens a query does not see yet."""
+    import copy
+
+    from transformers import AttentionInterface
 
     from kvcompress import hf_attention
+    from kvcompress.attention import weighted_attention_probabilities
 
+    ids = torch.randint(1, 256, (2, 96), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :30] = 0
     cache = DynamicCache()
     with torch.no_grad(), CompressKVPress(compression_ratio=0.5, seed=0)(model):
-        model.model(input_ids=torch.randint(1, 256, (1, 64)), past_key_values=cache)
-    hf_attention.logger.warning_once.cache_clear()
-    hf_logging.enable_propagation()
+        model(ids, attention_mask=mask, past_key_values=cache)
+    plain_cache = copy.deepcopy(cache)
+    new = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(7))
+    step_mask = torch.cat([mask, torch.ones_like(new)], 1)
+    queries = []
+
+    def recording(module, query, *args, **kwargs):
+        queries.append(query)
+        return hf_attention.kvcompress_attention(module, query, *args, **kwargs)
+
+    AttentionInterface.register(hf_attention.ATTENTION_NAME, recording)
     try:
-        with caplog.at_level("WARNING"), torch.no_grad():
-            out = model(torch.randint(1, 256, (1, 3)), past_key_values=cache, output_attentions=True)
+        with torch.no_grad():
+            out = model(new, attention_mask=step_mask, past_key_values=cache, output_attentions=True)
     finally:
-        hf_logging.disable_propagation()
-    assert out.attentions == () and "returns no attention weights" in caplog.text
+        hf_attention.register()
+    with torch.no_grad():
+        plain = model(new, attention_mask=step_mask, past_key_values=plain_cache)
+    torch.testing.assert_close(out.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    assert len(out.attentions) == len(queries) == model.config.num_hidden_layers
+    for i, (shares, layer, query) in enumerate(zip(out.attentions, cache.layers, queries, strict=True)):
+        rows = layer.keys.shape[-2]
+        assert shares.shape == (2, model.config.num_attention_heads, 3, rows), i
+        key_mask = layer.key_mask(rows, None)
+        assert not bool(key_mask[0].all()) and bool(key_mask[1].all())  # the padded row's filler rows
+        ref = weighted_attention_probabilities(query.double(), layer.keys.double(), layer.weights_for(rows).double(),
+                                               scaling=model.model.layers[i].self_attn.scaling,
+                                               causal_offset=rows - 3, key_mask=key_mask)  # fmt: skip
+        torch.testing.assert_close(shares.double(), ref, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(shares.sum(-1), torch.ones(2, shares.shape[1], 3), rtol=1e-5, atol=1e-5)
+        assert bool((shares[:, :, 0, -2:] == 0).all()) and bool((shares[:, :, 1, -1] == 0).all())  # causal
+        assert bool((shares[0][..., : layer.context_rows][..., ~key_mask[0, : layer.context_rows]] == 0).all())
