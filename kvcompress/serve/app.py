@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvcompress.serve.engine import Engine, Job, QueueFull, TokenLogprob, TooLarge
 from kvcompress.serve.protocol import (
@@ -31,7 +33,9 @@ log = logging.getLogger("kvcompress.serve")
 def create_app(engine: Engine, served_model: str, api_key: str | None = None, chat_context: str = "parts") -> FastAPI:
     """The OpenAI-compatible routes over ``engine``; ``chat_context``: how a chat's last user message splits into
     compressed context and question (:func:`kvcompress.serve.protocol.chat_split`'s ``mode``)."""
-    app = FastAPI(title="kvcompress", docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: "/v1/models/" gets a JSON 404, not a bare 307 to an address built from the Host header
+    app = FastAPI(title="kvcompress", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    body_limit = max_body_bytes(engine.max_length)
     metrics = engine.metrics
     created = int(time.time())
 
@@ -45,7 +49,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
     async def http_error(request: Request, err: StarletteHTTPException):
         message = f"route: {request.method} {request.url.path} does not exist" if err.status_code in (404, 405) \
             else str(err.detail)
-        return error_response(ApiError(err.status_code, message, "route"))
+        return error_response(ApiError(err.status_code, message, "route", headers=err.headers))  # 405: its Allow
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -58,8 +62,16 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
 
     async def read(request: Request, schema):
         authorize(request)
+        kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):  # a browser's form post cannot send JSON's
+            raise ApiError(415, f"Content-Type: send the body as JSON with 'Content-Type: application/json', got "
+                                f"{kind or 'none'!r}", "Content-Type")
         try:
-            body = json.loads(await request.body())
+            raw = await read_capped(request, body_limit)
+        except ClientDisconnect:  # the client left while sending: nobody reads an answer
+            raise ApiError(499, "body: the client disconnected before sending it", "body") from None
+        try:
+            body = json.loads(raw)
         except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deep, an int too long
             raise ApiError(400, f"body: not valid JSON ({type(err).__name__}: {err})"[:300]) from None
         req = parse(schema, body)
@@ -217,31 +229,44 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
                 for job in jobs:
                     job.cancelled.set()
 
+    # Tokenizing runs in a worker thread, so a long prompt does not hold the event loop (which streams every answer),
+    # one prompt at a time (a fast tokenizer's settings, such as splitting control tokens, are shared state).
+    tokenizing = threading.Lock()
+
+    def tokenized(split, *args):
+        with tokenizing:
+            return split(*args)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await read(request, ChatRequest)
-        context_ids, question_ids = chat_split(engine.tokenizer, req.messages, chat_context)
+        context_ids, question_ids = await asyncio.to_thread(tokenized, chat_split, engine.tokenizer, req.messages,
+                                                            chat_context)  # fmt: skip
         return await respond(request, req, make_jobs(req, context_ids, question_ids, "messages"), "chat")
+
+    def completion_ids(prompt: str) -> tuple[list[int], list[int]]:
+        context, question = completion_split(prompt)
+        encode = engine.tokenizer.encode
+        context_ids = encode(context, add_special_tokens=True) if context else []
+        question_ids = encode(question, add_special_tokens=not context) if question else []
+        return context_ids, question_ids
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read(request, CompletionRequest)
-        context, question = completion_split(req.prompt)
-        encode = engine.tokenizer.encode
-        context_ids = encode(context, add_special_tokens=True) if context else []
-        question_ids = encode(question, add_special_tokens=not context) if question else []
+        context_ids, question_ids = await asyncio.to_thread(tokenized, completion_ids, req.prompt)
         if not question_ids:
             raise ApiError(400, "prompt: must end with text after its last blank line (the part not compressed)",
                            "prompt")
         return await respond(request, req, make_jobs(req, context_ids, question_ids, "prompt"), "completion")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):
         authorize(request)
         return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
                                             "owned_by": "kvcompress", "max_model_len": engine.max_length}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
         if not engine.ready.is_set():  # compiling its decode step: requests are queued, not yet served
             return JSONResponse({"status": "warming up", "model": served_model, "method": engine.press_label},
@@ -293,6 +318,33 @@ class CountRequests:
         finally:
             route = scope["path"] if scope["path"] in KNOWN_ROUTES else "other"
             self.metrics.requests.labels(route=route, status=str(status[0] if status else 500)).inc()
+
+
+BODY_BYTES_PER_TOKEN = 256  # a request body's bound per token of the model's context (JSON escapes included)
+
+
+def max_body_bytes(max_length: int | None) -> int:
+    """The largest request body the server reads: 256 bytes per token of the model's context (a token's text is
+    rarely above 16 bytes; ``\\uXXXX`` escapes take 6 a character) plus 1 MiB for the other fields, 64 MiB when
+    the context is not known."""
+    return 2**20 + BODY_BYTES_PER_TOKEN * max_length if max_length else 64 * 2**20
+
+
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The request's body, or ApiError 413 as soon as it is longer than ``limit`` bytes (from its Content-Length
+    before reading anything, else while it streams in)."""
+    declared = request.headers.get("content-length", "")
+    too_large = ApiError(413, f"body: longer than this server reads ({limit} bytes: {BODY_BYTES_PER_TOKEN} per token "
+                              "of the model's context, plus 1 MiB)", "body", "request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

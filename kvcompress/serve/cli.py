@@ -17,6 +17,7 @@ EPILOG = """example:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcompress.serve.engine import TURN_REUSE
     from kvcompress.serve.protocol import CHAT_CONTEXT_MODES
     from kvcompress.serve.step import COMPILE_BACKENDS
 
@@ -95,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "blank-line (also a one-part message: its text through its last blank line, as "
                         "/v1/completions splits a prompt; for clients that send the document and the question in "
                         "one string) (default parts)")
+    p.add_argument("--turn-reuse", default="prefix", choices=tuple(TURN_REUSE),
+                   help="what a stored context serves: prefix (also a later turn of its chat: the stored cache plus "
+                        "the new turns prefilled exact, no new compression) or exact (only the same context: every "
+                        "other context is compressed whole, so an answer never depends on what the store holds, at "
+                        "the cost of a prefill per turn) (default prefix)")
     p.add_argument("--api-key", default=os.environ.get("KVCOMPRESS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $KVCOMPRESS_API_KEY; none: open)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -168,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from kvcompress.models import EMBEDDED_MODEL, load_model, resolve_device_dtype
-    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.engine import TURN_REUSE, Engine
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.step import resolved_backend
     from kvcompress.serve.store import ContextStore
@@ -214,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = Engine(model, tokenizer, model_name=served, press=press, press_label=press_label,
                     store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue,
                     max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
-                    decode_per_prefill=args.decode_per_prefill, compile_decode=args.compile_decode)
+                    decode_per_prefill=args.decode_per_prefill, compile_decode=args.compile_decode,
+                    prefix_min_fraction=TURN_REUSE[args.turn_reuse])
     app = create_app(engine, served, api_key=args.api_key, chat_context=args.chat_context)
     logging.getLogger("kvcompress.serve").info(
         "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g, "

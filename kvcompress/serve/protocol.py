@@ -10,6 +10,7 @@ with the field it is about. Fields OpenAI's API does not have are ignored.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any, Literal
 
@@ -235,6 +236,13 @@ def completion_split(text: str) -> tuple[str, str]:
 CHAT_CONTEXT_MODES = ("parts", "blank-line")  # how chat_split splits the last user message (serve --chat-context)
 
 
+def control_token_texts(tokenizer) -> tuple[str, ...]:
+    """The texts the tokenizer turns into its special (control) tokens: ``<|im_end|>``, ``</s>``, ..."""
+    texts = set(tokenizer.all_special_tokens)
+    texts.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
+    return tuple(sorted(t for t in texts if t))
+
+
 def chat_split(tokenizer, messages: list[Message], mode: str = "parts") -> tuple[list[int], list[int]]:
     """(context ids, question ids) of a chat, split as kvpress's pipeline splits its chat template.
 
@@ -245,6 +253,12 @@ def chat_split(tokenizer, messages: list[Message], mode: str = "parts") -> tuple
     also splits a one-part message, as ``/v1/completions`` splits its prompt: its text through its last blank line
     joins the context, the rest is the question (a message with no blank line, or nothing after its last one, stays
     all question). Both parts are tokenized separately without special tokens, as the pipeline does.
+
+    Messages' text is text: where one holds a control token's text (``<|im_end|>``, ``<filename>``, ...), which
+    tokenized with the rendered chat would become that token (and let a user end their turn and write another
+    role's), the template is rendered around placeholders and each message's text tokenized on its own with the
+    control tokens split into ordinary ones (a template's own edits of a text, such as trimming, then do not
+    apply to it). Without such text the ids are the pipeline's exactly.
     """
     if mode not in CHAT_CONTEXT_MODES:
         raise ValueError(f"chat context mode: choose from {', '.join(CHAT_CONTEXT_MODES)}, got {mode!r}")
@@ -254,16 +268,37 @@ def chat_split(tokenizer, messages: list[Message], mode: str = "parts") -> tuple
         context_text, question_text = completion_split(parts[0])
         if context_text and question_text:
             parts = [context_text, question_text]
+    texts = [m.text() for m in messages[:-1]] + ["".join(parts[:-1]), parts[-1]]
+    controls = control_token_texts(tokenizer)
+    plain: dict[str, str] = {}  # placeholder -> the text it stands for
+    if any(c in text for c in controls for text in texts):
+        tag = uuid.uuid4().hex
+        plain = {f"\u2063kvcompress-text-{i}-{tag}\u2063": text for i, text in enumerate(texts)}
+        texts = list(plain)
     if tokenizer.chat_template is None:  # the pipeline's rule without a template: bos + context, question + "\n"
-        history = "".join(m.text() + "\n" for m in messages[:-1])
-        context = (tokenizer.bos_token or "") + history + "".join(parts[:-1])
-        question = parts[-1] + "\n"
+        context = (tokenizer.bos_token or "") + "".join(t + "\n" for t in texts[:-2]) + texts[-2]
+        question = texts[-1] + "\n"
     else:
         separator = f"\u2063kvcompress-split-{uuid.uuid4().hex}\u2063"  # found in no user text
-        rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-        rendered[-1]["content"] = "".join(parts[:-1]) + separator + parts[-1]
+        rendered = [{"role": "system" if m.role == "developer" else m.role, "content": t}
+                    for m, t in zip(messages[:-1], texts[:-2], strict=True)]  # fmt: skip
+        rendered.append({"role": last.role, "content": texts[-2] + separator + texts[-1]})
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False,
                                              enable_thinking=False)
         context, question = text.split(separator)
-    encode = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []  # noqa: E731
-    return encode(context), encode(question)
+    return _encode(tokenizer, context, plain), _encode(tokenizer, question, plain)
+
+
+def _encode(tokenizer, text: str, plain: dict[str, str]) -> list[int]:
+    """``text``'s ids without added special tokens; each placeholder of ``plain`` stands for its text, tokenized with
+    control tokens' texts split into ordinary tokens."""
+    if not plain:
+        return tokenizer.encode(text, add_special_tokens=False) if text else []
+    ids: list[int] = []
+    for i, piece in enumerate(re.split("(" + "|".join(map(re.escape, plain)) + ")", text)):
+        if i % 2:  # a placeholder
+            if plain[piece]:
+                ids += tokenizer.encode(plain[piece], add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
