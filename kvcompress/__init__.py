@@ -13,6 +13,7 @@ __all__ = [
     "lambert_w0",
     "rpnys",
     "temperature",
+    "use_weighted_attention",
     "weighted_attention",
 ]
 __version__ = "0.1.0"
@@ -32,4 +33,8 @@ def __getattr__(name: str):
         from kvcompress import static_cache
 
         return static_cache.StaticWeightedCache
+    if name == "use_weighted_attention":
+        from kvcompress import hf_attention
+
+        return hf_attention.use_weighted_attention
     raise AttributeError(f"module 'kvcompress' has no attribute {name!r}")

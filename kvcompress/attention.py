@@ -61,6 +61,8 @@ def weighted_attention(
     row ``i`` folds its one row ``fold_from[i]`` (a decode batch whose rows end at different lengths).
     """
     check_backend(backend, BACKENDS)
+    if not isinstance(check_finite, bool):
+        raise ValueError(f"check_finite: must be True or False, got {check_finite!r}")
     check_float_tensor("queries", queries, ndim=4)
     check_float_tensor("keys", keys, ndim=4)
     check_float_tensor("values", values, ndim=4)

@@ -19,6 +19,7 @@ pipeline slices to).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -255,6 +256,17 @@ class WeightedDynamicCache(DynamicCache):
     were cut back to the end of the context (kvpress's pipeline between questions), they restore their rows there
     before the next step's masks are built."""
 
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx == 0 and not torch.compiler.is_compiling():  # once a forward, before a row is written
+            refuse_other_attention(sys._getframe(1))
+            held = getattr(self.layers[0], "keys", None) if self.layers else None
+            if isinstance(held, torch.Tensor) and held.dim() == 4 and held.dtype != key_states.dtype:
+                raise ValueError(
+                    f"past_key_values: the cache holds {held.dtype} keys and values, the model computes "
+                    f"{key_states.dtype}: load the model in the cache's dtype, or compress with the model as it is"
+                )
+        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
     def _reference_layer(self):
         from kvcompress.window import WindowLayer
 
@@ -314,6 +326,28 @@ class WeightedDynamicCache(DynamicCache):
     def __repr__(self) -> str:
         kinds = ", ".join(f"{kind}: {count} layers, {rows} rows" for kind, (count, rows) in layer_kinds(self).items())
         return f"{type(self).__name__}(tokens={self.get_seq_length()}; {kinds})"
+
+
+def refuse_other_attention(frame, depth: int = 3) -> None:
+    """ValueError if the attention module that updates this cache (the first ``self`` that is a module with a
+    config, in ``frame`` or up to ``depth`` frames above it) runs another attention than kvcompress's: stock
+    attention reads the rows unweighted, and gives wrong tokens without an error (a cache unpickled onto a fresh
+    model, or the model switched back with ``set_attn_implementation``)."""
+    for _ in range(depth):
+        if frame is None:
+            return
+        module = frame.f_locals.get("self")
+        config = getattr(module, "config", None) if isinstance(module, torch.nn.Module) else None
+        if config is not None:
+            used = getattr(config, "_attn_implementation", None)
+            if used is not None and used != "kvcompress":
+                raise ValueError(
+                    f"past_key_values: a kvcompress-compressed cache needs the model's attention to be 'kvcompress', "
+                    f"got {used!r}: call kvcompress.use_weighted_attention(model) first (a press sets it on the model "
+                    "it runs on; a fresh model, or one switched back, has its own)"
+                )
+            return
+        frame = frame.f_back
 
 
 def layer_kind(layer: object) -> str:

@@ -14,9 +14,14 @@ def lambert_w0(z: torch.Tensor, iterations: int = 8) -> torch.Tensor:
     The error after n steps is below max(0.32^(2^n), 0.633^(2^n) / 3); 8 steps reach float64 precision.
     Returns the dtype of ``z`` (computed in float64 for float32 and lower).
     """
+    if not isinstance(z, torch.Tensor):
+        raise TypeError(f"lambert_w0: z must be a torch.Tensor, got {type(z).__name__}")
     if not torch.is_floating_point(z):
         z = z.to(torch.get_default_dtype())
-    if bool((z < 0).any()) or bool(torch.isnan(z).any()):
+    if bool(torch.isnan(z).any()):
+        raise ValueError("lambert_w0: z holds NaN (a non-finite input upstream: queries, keys or scores); it must be "
+                         "a number >= 0")
+    if bool((z < 0).any()):
         raise ValueError("lambert_w0: z must be >= 0 (this implementation covers the range [0, inf))")
     work = z.to(torch.float64)
     tiny = work < 1e-300

@@ -239,8 +239,8 @@ def compress_kv(
     scaling = 1.0 / math.sqrt(dim) if scaling is None else check_positive("scaling", scaling)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
-    elif not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed: must be an int or None, got {seed!r}")
+    else:
+        seed = check_int_range("seed", seed, -(2**63), 2**63 - 1)  # numpy integers too
     if not isinstance(check_inputs, bool):
         raise ValueError(f"check_inputs: must be True or False, got {check_inputs!r}")
     if check_inputs:

@@ -9,6 +9,8 @@ A mixin: its methods read and set the press's state (``_repeating``, ``_wrapper_
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from transformers import DynamicCache
 
@@ -74,6 +76,15 @@ class PrefillCallHooks:
             self._restore = empty_cache_restorer(cache)
         if "repeat" in self.reference_sources():
             refuse_a_repeat_pass(self, input_ids, cache, rows is not None, self._windows, self._images)
+
+    def _undo_a_failed_prefill(self, decoder: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """Decoder forward hook that also runs when the call raised (``always_call``; last of the press's hooks, so
+        a prefill that went through has cleared ``_restore`` by then): a prefill that failed in a layer or in its
+        compression leaves no cache half written (some layers compressed, some exact, some empty); the cache is put
+        back as it was before the call, whether or not the caller catches the error inside the press's block."""
+        if self._restore is not None and not self._repeating and sys.exc_info()[0] is not None:
+            restore, self._restore = self._restore, None
+            restore()
 
     def _real_rows(self, batch: int, n: int, device: torch.device) -> list[torch.Tensor] | None:
         """:func:`real_token_rows` of this prefill on ``device``: those the decoder pre-hook read, else read now."""

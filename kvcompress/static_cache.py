@@ -35,6 +35,9 @@ from kvcompress.window import WindowLayer
 __all__ = ["StaticWeightedCache", "StaticWeightedLayer", "StaticWindowLayer"]
 
 
+MAX_ROWS = 2**31 - 1  # rows a static layer can index (int32 positions in the kernels)
+
+
 class StaticWeightedCache(WeightedDynamicCache):
     """A compressed cache with preallocated rows for ``max_new_tokens`` new tokens (module docstring).
 
@@ -45,7 +48,7 @@ class StaticWeightedCache(WeightedDynamicCache):
     """
 
     def __init__(self, max_new_tokens: int):
-        check_int_range("max_new_tokens", max_new_tokens, 1)
+        check_int_range("max_new_tokens", max_new_tokens, 1, MAX_ROWS)
         super().__init__()
         self.max_new_tokens = max_new_tokens
 
@@ -68,23 +71,37 @@ class StaticWeightedCache(WeightedDynamicCache):
         return static
 
     def freeze(self) -> None:
-        """Replace every layer by its static form, in place (idempotent)."""
-        windows = {i: getattr(layer, "sliding_window", None) for i, layer in enumerate(self.layers)}
-        for index, layer in enumerate(self.layers):
-            if getattr(layer, "is_compileable", False):
-                continue
-            if isinstance(layer, WeightedLayer):
-                self.layers[index] = StaticWeightedLayer(layer, self.max_new_tokens)
-            elif isinstance(layer, WindowLayer) or windows[index] is not None:
-                self.layers[index] = StaticWindowLayer(layer, windows[index], self.max_new_tokens)
-            elif isinstance(layer, DynamicLayer) and layer.is_initialized:
-                self.layers[index] = static_full_layer(layer, self.max_new_tokens)
+        """Replace every layer by its static form, in place (idempotent); all of them or, if their buffers do not fit
+        in memory (``ValueError`` naming ``max_new_tokens``), none."""
+        frozen = list(self.layers)
+        try:
+            for index, layer in enumerate(frozen):
+                if getattr(layer, "is_compileable", False):
+                    continue
+                if isinstance(layer, WeightedLayer):
+                    frozen[index] = StaticWeightedLayer(layer, self.max_new_tokens)
+                elif isinstance(layer, WindowLayer) or getattr(layer, "sliding_window", None) is not None:
+                    frozen[index] = StaticWindowLayer(layer, layer.sliding_window, self.max_new_tokens)
+                elif isinstance(layer, DynamicLayer) and layer.is_initialized:
+                    frozen[index] = static_full_layer(layer, self.max_new_tokens)
+        except (MemoryError, RuntimeError) as err:  # torch.OutOfMemoryError, or the CPU allocator's RuntimeError
+            if not isinstance(err, MemoryError) and "alloc" not in str(err) and "out of memory" not in str(err):
+                raise
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"max_new_tokens: {self.max_new_tokens} preallocated rows per layer do not fit in "
+                             f"memory ({first[:200]})") from None
+        self.layers[:] = frozen
 
     def remaining(self) -> int:
-        """New tokens that still fit (the smallest over layers; one device read)."""
+        """New tokens that still fit (the smallest over layers; one device read); ``max_new_tokens`` before a
+        prefill. ValueError if a prefill wrote it and it was never made static (no press compressed that prefill:
+        a context within the press's budget, or ``compression_ratio=0``): it then grows as a DynamicCache."""
         free = [
             layer.capacity - layer.get_seq_length() for layer in self.layers if isinstance(layer, StaticWeightedLayer)
         ]
+        if not free and any(getattr(layer, "is_initialized", False) for layer in self.layers):
+            raise ValueError("cache: this StaticWeightedCache was never made static (no kvcompress press compressed "
+                             "its prefill), so it has no row limit: it grows as a DynamicCache")
         return min(free) if free else self.max_new_tokens
 
     def _reference_layer(self):

@@ -133,7 +133,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         check_int_range("sink_size", self.sink_size, 0)
         check_int_range("window_size", self.window_size, 0)
         if self.seed is not None:
-            check_int_range("seed", self.seed, -(2**63))
+            check_int_range("seed", self.seed, -(2**63), 2**63 - 1)
         if not isinstance(self.overlap_compression, bool):
             raise ValueError(f"overlap_compression: must be True or False, got {self.overlap_compression!r}")
 
@@ -239,6 +239,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
                     overlapped = self._compress_beside_next_layer
                     hooks += [layer.register_forward_hook(overlapped) for layer in decoder.layers]
                 hooks.append(decoder.register_forward_hook(self._finish_prefill, with_kwargs=True))
+                hooks.append(decoder.register_forward_hook(self._undo_a_failed_prefill, with_kwargs=True,
+                                                           always_call=True))  # fmt: skip
                 wants_rows = "induction" in self.reference_sources()
                 try:
                     with handing_over_prefill_rows(self.prefill_output_rows()) if wants_rows else nullcontext():
@@ -268,18 +270,18 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         restore, self._restore = self._restore, None
         try:
             refuse_non_finite_layers(flags, getattr(decoder, "dtype", None))
-        except ValueError:
-            if restore is not None:
-                restore()  # no layer keeps rows compressed from NaN or Inf
-            raise
-        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
-        if cache is None:
-            return
-        trim_to_windows(cache, self._windows, self._attention_mask)
-        from kvcompress.static_cache import StaticWeightedCache
+            cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
+            if cache is None:
+                return
+            trim_to_windows(cache, self._windows, self._attention_mask)
+            from kvcompress.static_cache import StaticWeightedCache
 
-        if isinstance(cache, StaticWeightedCache):
-            cache.freeze()
+            if isinstance(cache, StaticWeightedCache):
+                cache.freeze()
+        except BaseException:
+            if restore is not None:
+                restore()  # no layer keeps rows compressed from NaN or Inf, nor a cache half made static
+            raise
 
     def _prefilling(self, cache_position: torch.Tensor, n: int) -> bool:
         """kvpress's ``is_prefilling``, read once per decoder call: its layers share one ``cache_position`` tensor,

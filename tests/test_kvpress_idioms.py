@@ -258,3 +258,42 @@ def test_output_attentions_over_a_compressed_cache_are_each_querys_shares_of_the
         torch.testing.assert_close(shares.sum(-1), torch.ones(2, shares.shape[1], 3), rtol=1e-5, atol=1e-5)
         assert bool((shares[:, :, 0, -2:] == 0).all()) and bool((shares[:, :, 1, -1] == 0).all())  # causal
         assert bool((shares[0][..., : layer.context_rows][..., ~key_mask[0, : layer.context_rows]] == 0).all())
+
+
+def test_a_compressed_cache_on_a_model_without_the_kvcompress_attention_is_refused_before_it_changes(model):
+    """A compressed cache read by stock attention is read unweighted: a fresh model (the cache pickled, or saved and
+    loaded) gave other tokens without an error, and a 2-token step crashed inside sdpa. Refused, naming
+    past_key_values and the cure, with the cache unchanged; after ``use_weighted_attention`` the fresh model gives
+    the pressed model's logits. A cache of another dtype than the model's is refused the same way."""
+    import pickle
+
+    from kvcompress import use_weighted_attention
+
+    ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with torch.no_grad(), CompressKVPress(compression_ratio=0.5, seed=0)(model):
+        model.model(ids, past_key_values=cache)
+    for switched in (False, True):
+        fresh = tiny_model("llama")
+        if switched:  # the press's model switched back
+            use_weighted_attention(fresh)
+            fresh.set_attn_implementation("sdpa")
+        loaded = pickle.loads(pickle.dumps(cache))
+        rows = [layer.keys.shape[-2] for layer in loaded.layers]
+        for step in (ids[:, :1], ids[:, :2]):
+            with pytest.raises(ValueError, match=r"^past_key_values: .* attention to be 'kvcompress', got 'sdpa': "
+                                                 r"call kvcompress.use_weighted_attention\(model\)"):
+                with torch.no_grad():
+                    fresh(step, past_key_values=loaded)
+            assert [layer.keys.shape[-2] for layer in loaded.layers] == rows
+        use_weighted_attention(fresh)
+        with torch.no_grad():
+            got = fresh(ids[:, :2], past_key_values=loaded).logits
+            expected = model(ids[:, :2], past_key_values=pickle.loads(pickle.dumps(cache))).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    wider = tiny_model("llama", dtype=torch.float64)
+    use_weighted_attention(wider)
+    with pytest.raises(ValueError, match=r"^past_key_values: the cache holds torch.float32 .* computes torch.float64"):
+        with torch.no_grad():
+            wider(ids[:, :1], past_key_values=cache)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == rows

@@ -348,3 +348,25 @@ def test_a_ratio_set_after_construction_is_checked_on_entry(ratio):
     with pytest.raises(ValueError, match=r"^compression_ratio: must be a number in \[0, 1\)"), press(model):
         pass
     assert not any(module._forward_hooks for module in model.modules())
+
+
+def test_seeds_are_int64_and_numpy_integers_and_tensor_api_flags_are_bools():
+    """A press's seed and compress_kv's are 64-bit ints (numpy's too: compress_kv refused np.int64 where the presses
+    took it; 2**64 was accepted by the presses); ``check_finite="no"`` was truthy; lambert_w0 names NaN input as
+    NaN (it said "must be >= 0") and a non-tensor as such."""
+    import numpy as np
+
+    from kvcompress import compress_kv, lambert_w0, weighted_attention
+
+    with pytest.raises(ValueError, match=r"^seed: must be an int in \[-9223372036854775808, 9223372036854775807\]"):
+        CompressKVPress(seed=2**64)
+    keys, values = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    one, two = compress_kv(keys, values, 16, seed=np.int64(2)), compress_kv(keys, values, 16, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    q, w = torch.randn(1, 2, 1, 16), torch.rand(1, 2, 64)
+    with pytest.raises(ValueError, match="^check_finite: must be True or False, got 'no'"):
+        weighted_attention(q, keys, values, w, check_finite="no")
+    with pytest.raises(ValueError, match="^lambert_w0: z holds NaN"):
+        lambert_w0(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(TypeError, match="^lambert_w0: z must be a torch.Tensor, got float"):
+        lambert_w0(2.0)

@@ -405,6 +405,39 @@ def test_a_layer_with_nan_keys_is_named_after_the_prefill(press, prebuilt):
         torch.testing.assert_close(layer.row_weights, expected.row_weights, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("caught_inside", [False, True])
+def test_a_prefill_that_fails_in_a_layers_compression_puts_the_cache_back(layer, caught_inside):
+    """NaN queries (a NaN in layer ``layer``'s q_proj) make paper()'s query radius NaN: its compression raises in
+    the middle of the prefill, naming the NaN, where it named a negative input and left some layers compressed,
+    some exact and some empty. The cache comes back as it was, whether the error leaves the press's block or is
+    caught inside it, and takes the next prefill as a new cache would."""
+    model = tiny_model("llama")
+    weight = model.model.layers[layer].self_attn.q_proj.weight
+    kept = weight.data[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0))
+    press = CompressKVPress.paper(0.5, seed=0, query_radius="queries")
+    cache = DynamicCache()
+    with pytest.raises(ValueError, match="holds NaN"):
+        with torch.no_grad(), press(model):
+            if caught_inside:
+                with pytest.raises(ValueError, match="holds NaN"):
+                    model.model(ids, past_key_values=cache)
+                raise ValueError("holds NaN: caught inside, raised again for the outer check")
+            model.model(ids, past_key_values=cache)
+    assert type(cache) is DynamicCache and cache.get_seq_length() == 0 and not cache.layers
+    with torch.no_grad():
+        weight[0, 0] = kept
+    with torch.no_grad(), press(model):
+        model.model(ids, past_key_values=cache)
+        fresh = DynamicCache()
+        model.model(ids, past_key_values=fresh)
+    for got, expected in zip(cache.layers, fresh.layers, strict=True):
+        torch.testing.assert_close(got.keys, expected.keys, rtol=0, atol=0)
+
+
 def test_prefill_state_is_read_once_per_decoder_call(monkeypatch):
     """kvpress's is_prefilling reads a device tensor (a host sync on a GPU): once per decoder call, not per layer."""
     from kvcompress import weighted_press

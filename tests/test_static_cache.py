@@ -74,6 +74,27 @@ def test_press_freezes_an_empty_static_cache():
     assert "compressed: 2 layers" in repr(cache) and cache_bytes(cache) > cache_bytes(reference)
 
 
+def test_capacity_beyond_int32_or_memory_is_refused_and_the_cache_put_back():
+    """``max_new_tokens`` past what a static layer indexes is refused when built (2**63 once passed, then failed
+    inside torch); within it but past memory, the press's prefill is refused naming ``max_new_tokens`` (it was the
+    CPU allocator's error) and the cache is put back empty, as it was. A static cache no press froze (nothing to
+    compress) says so when asked what remains, instead of reporting rows it does not limit."""
+    for rows in (2**31, 2**63):
+        with pytest.raises(ValueError, match=r"^max_new_tokens: must be an int in \[1, 2147483647\]"):
+            StaticWeightedCache(rows)
+    model = tiny_model("qwen2")
+    cache = StaticWeightedCache(max_new_tokens=2**30)  # 2 KV heads x 16 x fp32 x (K, V): 256 GiB a layer
+    with pytest.raises(ValueError, match=r"^max_new_tokens: 1073741824 preallocated rows per layer do not fit"):
+        with torch.no_grad(), PRESSES["default"]()(model):
+            model.model(input_ids=random_ids(240, seed=4), past_key_values=cache)
+    assert type(cache) is StaticWeightedCache and cache.get_seq_length() == 0 and not cache.layers
+    assert cache.remaining() == 2**30
+    with torch.no_grad(), CompressKVPress(compression_ratio=0.0)(model):
+        model.model(input_ids=random_ids(40, seed=4), past_key_values=cache)
+    with pytest.raises(ValueError, match="^cache: this StaticWeightedCache was never made static"):
+        cache.remaining()
+
+
 def test_compiled_decode_is_one_full_graph_and_equals_eager():
     """generate with a static compressed cache compiles its decode step (inductor, fullgraph=True: a graph break
     would raise) and gives the eager dynamic cache's tokens and logits."""
