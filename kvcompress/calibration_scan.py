@@ -26,7 +26,7 @@ the qa and multi-key answers lost at 2048 tokens are mostly layer 7's, at 1024 t
 from __future__ import annotations
 
 import copy
-import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -183,14 +183,18 @@ def calibrate(model, tokenizer, kept: float = 0.25, length: int = 1024, contexts
 
 
 def unwritable(path: Path) -> str | None:
-    """Why a file cannot be written at ``path`` (its folder made if missing), or None."""
+    """Why a file cannot be written at ``path`` (its folder made if missing), or None. A folder made in the nearest
+    existing one and removed finds out (``os.access`` says yes to root even where nothing can be made, such as
+    /proc, and the scan ran for minutes before the file could not be filed)."""
     if path.is_dir():
         return f"{path} is a directory; name a file (e.g. {path / 'model.json'})"
     folder = existing_folder(path.parent)
     if not folder.is_dir():
         return f"{folder} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{folder} is not writable"
+    try:
+        tempfile.TemporaryDirectory(dir=folder, prefix=".kvcompress-").cleanup()
+    except OSError as err:
+        return f"{path} cannot be created: no folder can be made in {folder} ({err.strerror or type(err).__name__})"
     return None
 
 

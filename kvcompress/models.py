@@ -44,9 +44,18 @@ def _converted(directory: Path) -> bool:
     return (directory / "config.json").exists() and (directory / "tokenizer.json").exists()
 
 
+def embedded_cache_name() -> str:
+    """The converted model's folder in :func:`cache_root`: one per transformers major version (a tokenizer saved by
+    5.x does not load in 4.57)."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return EMBEDDED_MODEL if major >= 5 else f"{EMBEDDED_MODEL}-transformers{major}"
+
+
 def embedded_model_dir() -> Path:
     """Directory of the converted embedded model (converted from the GGUF on first use)."""
-    target = cache_root() / EMBEDDED_MODEL
+    target = cache_root() / embedded_cache_name()
     if _converted(target):
         return target
     try:

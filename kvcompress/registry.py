@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from kvcompress._checks import check_compression_ratio
+from kvcompress._checks import check_compression_ratio, check_int_range, check_number, one_line
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,8 @@ METHODS: dict[str, Method] = {
 
 def make_press(name: str, compression_ratio: float, seed: int = 0, **options: Any):
     """The press ``name`` removing ``compression_ratio`` of the context (None for ``exact``); ``options`` replace
-    single fields of its dataclass (the press checks them). ``seed`` seeds our randomised presses."""
+    single fields of its dataclass (ours check them, kvpress's are checked by :func:`check_kvpress_option`; a
+    ValueError naming the field). ``seed`` seeds our randomised presses."""
     if name not in METHODS:
         raise ValueError(f"method: unknown method {name!r}; choose from {', '.join(METHODS)}")
     compression_ratio = check_compression_ratio(compression_ratio)  # kvpress's presses only assert it
@@ -138,11 +139,61 @@ def make_press(name: str, compression_ratio: float, seed: int = 0, **options: An
         return None
     if not options:
         return press
-    fields = {f.name for f in dataclasses.fields(press) if f.init}
+    fields = {f.name for f in dataclasses.fields(press) if f.init and not f.name.startswith("_")}
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"{unknown[0]}: {name} has no option {unknown[0]!r}; its options: {', '.join(sorted(fields))}")
-    return dataclasses.replace(press, **options)
+    from kvcompress.weighted_press import WeightedSubsetPress
+
+    if not isinstance(press, WeightedSubsetPress):  # ours check every field they take; kvpress's check few
+        options = {field: check_kvpress_option(field, value, getattr(press, field)) for field, value in options.items()}
+    try:
+        return dataclasses.replace(press, **options)
+    except AssertionError as err:  # kvpress's own checks (AdaKV's inner press, ...): a bare assert
+        given = ", ".join(f"{field}={value!r}" for field, value in options.items())
+        raise ValueError(f"{name}: kvpress refused the options {given}: {one_line(err)}") from None
+
+
+# The fields of kvpress's presses (and of PyramidKV's subclass above) that make_press checks, kvpress asserting few of
+# them and most not at all (window_size=0 or an even kernel_size failed inside the prefill with a shape error,
+# n_sink=-1 ran): field -> (low, high), an int where the default is one. Any other field is checked against its
+# default's kind: True or False for a bool, an int >= 0 for an int, a finite number >= 0 for a float.
+KVPRESS_RANGES: dict[str, tuple[float, float | None]] = {
+    "window_size": (1, None),  # SnapKV's, PyramidKV's observation window
+    "kernel_size": (1, None),  # their score pooling, odd
+    "n_sink": (0, None),  # StreamingLLM's, ExpectedAttention's, KVzip's sink tokens
+    "n_future_positions": (1, None),  # ExpectedAttention
+    "sink_size_start": (0, None),  # Compactor's protected tokens at either end
+    "sink_size_end": (0, None),
+    "chunk_size": (1, None),  # Compactor's, KVzip's chunks
+    "sketch_dimension": (1, None),  # Compactor
+    "beta": (1, None),  # PyramidKV's pyramid
+    "alpha_safeguard": (0, 1),  # AdaKV's share of the budget spread evenly over the heads
+    "epsilon": (0, None),  # ExpectedAttention
+    "blending": (0, None),  # Compactor's weight of the leverage scores (None: the compression ratio)
+}
+
+
+def check_kvpress_option(field: str, value: Any, default: Any) -> Any:
+    """``value`` for the field ``field`` of a kvpress press whose default is ``default`` (a plain int or float where
+    it is a number); a ValueError naming the field and its range (:data:`KVPRESS_RANGES`)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{field}: must be True or False, got {value!r}")
+        return value
+    if field in KVPRESS_RANGES and default is None:  # an optional number (Compactor's blending)
+        if value is None:
+            return None
+    elif not isinstance(default, (int, float)):
+        return value  # a field of another kind (AdaKV's wrapped press): kvpress's own checks
+    low, high = KVPRESS_RANGES.get(field, (0, None))
+    if isinstance(default, int):
+        value = check_int_range(field, value, int(low), None if high is None else int(high))
+        if field == "kernel_size" and value % 2 == 0:  # an even pooling window is one score longer than the keys
+            raise ValueError(f"{field}: must be an odd int >= 1, got {value!r}")
+        return value
+    check_number(field, value, low, high)
+    return float(value)
 
 
 def press_settings(press, model=None) -> dict[str, Any]:
@@ -205,4 +256,9 @@ def parse_press_option(item: str, method: str | None = None) -> tuple[str, str, 
         name_method = method
     if not (sep and name_method and name):
         raise ValueError(f"--press-option: expected METHOD.FIELD=VALUE, got {item!r}")
-    return name_method.strip(), name.strip(), yaml.safe_load(value)
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"--press-option: {item!r}: the value {value!r} is not valid YAML ({problem})") from None
+    return name_method.strip(), name.strip(), parsed

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from kvcompress._checks import check_int_range
 from kvcompress.cache import WeightedDynamicCache, WeightedLayer
+from kvcompress.hf_compat import layer_initialized
 from kvcompress.static_layers import StaticWeightedLayer, StaticWindowLayer, static_full_layer
 from kvcompress.window import WindowLayer
 
@@ -82,7 +83,7 @@ class StaticWeightedCache(WeightedDynamicCache):
                     frozen[index] = StaticWeightedLayer(layer, self.max_new_tokens)
                 elif isinstance(layer, WindowLayer) or getattr(layer, "sliding_window", None) is not None:
                     frozen[index] = StaticWindowLayer(layer, layer.sliding_window, self.max_new_tokens)
-                elif isinstance(layer, DynamicLayer) and layer.is_initialized:
+                elif isinstance(layer, DynamicLayer) and layer_initialized(layer):
                     frozen[index] = static_full_layer(layer, self.max_new_tokens)
         except (MemoryError, RuntimeError) as err:  # torch.OutOfMemoryError, or the CPU allocator's RuntimeError
             if not isinstance(err, MemoryError) and "alloc" not in str(err) and "out of memory" not in str(err):
@@ -99,7 +100,7 @@ class StaticWeightedCache(WeightedDynamicCache):
         free = [
             layer.capacity - layer.get_seq_length() for layer in self.layers if isinstance(layer, StaticWeightedLayer)
         ]
-        if not free and any(getattr(layer, "is_initialized", False) for layer in self.layers):
+        if not free and any(layer_initialized(layer) for layer in self.layers):
             raise ValueError("cache: this StaticWeightedCache was never made static (no kvcompress press compressed "
                              "its prefill), so it has no row limit: it grows as a DynamicCache")
         return min(free) if free else self.max_new_tokens

@@ -14,6 +14,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from kvcompress.cache import TaggedLayer, WeightedLayer, tag_layer
+from kvcompress.hf_compat import lazy_initialize
 from kvcompress.window import window_crop_refused, window_crop_target
 
 
@@ -355,6 +356,6 @@ def static_full_layer(layer: DynamicLayer, max_new_tokens: int) -> StaticLayer:
     """An uncompressed full-attention layer as a transformers StaticLayer with ``max_new_tokens`` free rows."""
     rows = layer.keys.shape[-2]
     static = StaticLayer(max_cache_len=rows + max_new_tokens)
-    static.lazy_initialization(layer.keys, layer.values)
+    lazy_initialize(static, layer.keys, layer.values)
     static.keys[:, :, :rows], static.values[:, :, :rows] = layer.keys, layer.values
     return static

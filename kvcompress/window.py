@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 from kvcompress.cache import BatchRowOps
+from kvcompress.hf_compat import layer_initialized
 
 
 def layer_windows(model: PreTrainedModel) -> list[int | None]:
@@ -71,7 +72,8 @@ class WindowLayer(BatchRowOps, DynamicSlidingWindowLayer):
         # [b, keep] bool, False on padding among the kept rows (None: all real); a static cache reads it.
         self.context_real = None if real is None else real[:, real.shape[-1] - keep :]
         self.is_initialized = True
-        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+        if hasattr(self, "_sliding_window_tensor"):  # transformers 5.x (hf_compat)
+            self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
         self.cumulative_length = self.context_tokens = tokens
         self.context_keys, self.context_values = self.keys, self.values
 
@@ -145,7 +147,7 @@ def trim_to_windows(
         if window is None or index >= len(cache.layers) or isinstance(cache.layers[index], WindowLayer):
             continue
         layer = cache.layers[index]
-        if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.dim() != 4:
+        if not layer_initialized(layer) or layer.keys is None or layer.keys.dim() != 4:
             continue
         tokens = layer.cumulative_length if isinstance(layer, DynamicSlidingWindowLayer) else layer.keys.shape[-2]
         real = None

@@ -96,3 +96,59 @@ def test_installed_wheel_runs_the_embedded_default_from_any_directory(tmp_path, 
     assert (out / "results.md").read_text().startswith("# Offline suite: SmolLM2-135M-Instruct")
     assert (out / "predictions" / "exact" / "py_qa.jsonl").exists()
     assert not (site / "kvcompress" / "longbench" / "results").exists()
+
+
+NEEDS_PROC = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+FORBIDDEN = "/proc/forbidden/x"  # nothing can be made in /proc, not even by root (for whom os.access says it can)
+
+
+def no_model(*args, **kwargs):
+    raise AssertionError("the model was loaded: the check came too late")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [  # each started a server, ran until the press met a prefill, or ended in a traceback
+        (["serve", "--method", "snapkv", "--press-option", "window_size=-1"],
+         "kvcompress serve: error: --press-option: window_size: must be an int >= 1, got -1"),
+        (["serve", "--method", "snapkv", "--press-option", "kernel_size=4"],
+         "kvcompress serve: error: --press-option: kernel_size: must be an odd int >= 1, got 4"),
+        (["serve", "--method", "streamingllm", "--press-option", "n_sink=1.5"],
+         "kvcompress serve: error: --press-option: n_sink: must be an int >= 0, got 1.5"),
+        (["serve", "--method", "adakv", "--press-option", "alpha_safeguard=2"],
+         "kvcompress serve: error: --press-option: alpha_safeguard: must be a number in [0, 1], got 2"),
+        (["serve", "--press-option", "reference=["], "kvcompress serve: error: --press-option: 'reference=[': the "
+         "value '[' is not valid YAML (expected the node content, but found '<stream end>')"),
+        (["serve", "--served-model-name", ""], "kvcompress serve: error: --served-model-name: must be a non-empty"),
+        (["serve", "--served-model-name", "  "], "kvcompress serve: error: --served-model-name: must be a non-empty"),
+        (["serve", "--model", "/nonexistent/dir"], "kvcompress serve: error: --model: /nonexistent/dir does not exist"),
+        (["eval", "--methods", "snapkv", "--press-option", "snapkv.kernel_size=0"],
+         "error: --press-option: snapkv: kernel_size: must be an int >= 1, got 0"),
+        (["eval", "--methods", "streamingllm", "--press-option", "streamingllm.n_sink=1.5"],
+         "error: --press-option: streamingllm: n_sink: must be an int >= 0, got 1.5"),
+        (["eval", "--press-option", "compresskv.reference=["], "error: --press-option: 'compresskv.reference=[': the "
+         "value '[' is not valid YAML (expected the node content, but found '<stream end>')"),
+        pytest.param(["eval", "--methods", "exact", "--tasks", "py_count", "--limit", "1", "--output-dir", FORBIDDEN],
+                     f"error: --output-dir: {FORBIDDEN} cannot be created or written: no folder can be made in /proc",
+                     marks=NEEDS_PROC),
+    ],
+)
+def test_bad_press_options_and_paths_are_one_error_line_before_the_model_loads(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr("kvcompress.models.load_model", no_model)
+    monkeypatch.setattr("kvcompress.longbench.cli.load_pipeline", no_model)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
+
+
+@NEEDS_PROC
+def test_calibrate_refuses_an_output_that_cannot_be_created_before_the_scan(capsys, monkeypatch):
+    """Was found after the scan (minutes to hours): root passed the os.access check, then the file could not be made."""
+    monkeypatch.setattr("kvcompress.models.load_model", no_model)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["calibrate", "--output", f"{FORBIDDEN}.json"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kvcompress calibrate: error: --output: {FORBIDDEN}.json cannot be created: no folder can be made in /proc "
+        "(No such file or directory)"
+    )

@@ -182,8 +182,12 @@ def test_offline_suite_is_deterministic_and_committed(tmp_path):
         (["--data-dir", "/nonexistent/longbench"], "--data-dir"),
         (["--config", "/nonexistent/run.yaml"], "--config"),
         (["--press-option", "compresskv.window=3"], "--press-option: compresskv has no setting 'window'"),
-        (["--press-option", "snapkv.window_size=-3"], "--press-option: snapkv.window_size: must be an integer"),
+        (["--press-option", "snapkv.window_size=-3"], "--press-option: snapkv: window_size: must be an int >= 1"),
         (["--press-option", "exact.window_size=3"], "--press-option: 'exact' has no press"),
+        (["--methods", "snapkv", "--press-option", "snapkv.kernel_size=0"],  # failed in the first prefill
+         "--press-option: snapkv: kernel_size: must be an int >= 1, got 0"),
+        (["--press-option", "compresskv.reference=["], "--press-option: 'compresskv.reference=[': the value '[' is "
+         "not valid YAML"),  # a traceback
         (["--methods", "compresskv", "--press-option", "snapkv.window_size=3"],  # was accepted and ignored
          "--press-option: snapkv is not among --methods (compresskv)"),
         (["--tasks", "trec"], "--dataset: cannot load Xnhyacinth/LongBench (trec_e)"),  # the Hub is offline here
@@ -213,6 +217,23 @@ def test_an_output_dir_under_a_file_is_one_error_line(tmp_path):
     blocker.write_text("")
     result = cli("--tasks", "py_count", "--methods", "exact", "--limit", "1", "--output-dir", str(blocker / "out"))
     assert result.returncode == 2 and result.stderr == f"error: --output-dir: {blocker} is a file, not a folder\n"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_dir_that_cannot_be_made_is_one_error_line_before_the_model(tmp_path, capsys, monkeypatch):
+    """Nothing can be made in /proc, not even by root, for whom os.access says it can: the directory is tried before
+    the model loads (was a FileNotFoundError traceback once it had); the try leaves nothing behind."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("kvcompress.longbench.cli.load_pipeline", no_model)
+    flags = ["--methods", "exact", "--tasks", "py_count", "--limit", "1"]
+    assert longbench.main([*flags, "--output-dir", "/proc/forbidden/x"]) == 2
+    assert capsys.readouterr().err == ("error: --output-dir: /proc/forbidden/x cannot be created or written: no folder "
+                                       "can be made in /proc (No such file or directory)\n")
+    assert longbench.main([*flags, "--score-only", "--output-dir", str(tmp_path / "new" / "run")]) == 2
+    assert capsys.readouterr().err.startswith("error: --score-only: no predictions in")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_layer_the_model_does_not_have_is_one_error_line(tmp_path):
@@ -438,5 +459,5 @@ def test_press_options_offer_only_real_settings_and_our_presses_check_their_own(
     assert longbench.make_press("compresskv", cfg.ratio, cfg.seed, cfg.press_options["compresskv"]).seed == -1
     with pytest.raises(UsageError, match="window_size"):
         longbench.parse_config(["--press-option", "compresskv.window_size=-3"])
-    with pytest.raises(UsageError, match="snapkv.window_size: must be an integer >= 0"):
+    with pytest.raises(UsageError, match=r"snapkv: window_size: must be an int >= 1, got -3"):
         longbench.parse_config(["--press-option", "snapkv.window_size=-3"])

@@ -11,7 +11,7 @@ import kvcompress.models as models
 def _fake_conversion(monkeypatch, tmp_path: Path, while_saving) -> Path:
     """Patch the GGUF reads so that a conversion writes two small files, calling ``while_saving(target)`` between
     them (where another process could finish its own conversion); returns the target directory."""
-    target = tmp_path / "cache" / models.EMBEDDED_MODEL
+    target = tmp_path / "cache" / models.embedded_cache_name()
 
     class Saved(SimpleNamespace):
         def save_pretrained(self, path):

@@ -78,3 +78,54 @@ def test_pyramidkv_refuses_a_cache_of_layers_of_different_lengths_and_runs_where
     with torch.no_grad():
         model(input_ids=ids[:, :5], past_key_values=cache)  # the question's forward
     assert {layer.keys.shape[-2] for layer in cache.layers} == {80}
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [  # each was a bare AssertionError, a shape error inside the prefill, or a press that ran with it
+        ("adakv", {"alpha_safeguard": 2.0}, "alpha_safeguard: must be a number in [0, 1], got 2.0"),
+        ("snapkv", {"window_size": -1}, "window_size: must be an int >= 1, got -1"),
+        ("snapkv", {"window_size": 0}, "window_size: must be an int >= 1, got 0"),
+        ("snapkv", {"kernel_size": 0}, "kernel_size: must be an int >= 1, got 0"),
+        ("snapkv", {"kernel_size": 4}, "kernel_size: must be an odd int >= 1, got 4"),
+        ("pyramidkv", {"window_size": 0}, "window_size: must be an int >= 1, got 0"),
+        ("pyramidkv", {"beta": 0}, "beta: must be an int >= 1, got 0"),
+        ("streamingllm", {"n_sink": -1}, "n_sink: must be an int >= 0, got -1"),
+        ("streamingllm", {"n_sink": 1.5}, "n_sink: must be an int >= 0, got 1.5"),
+        ("streamingllm", {"n_sink": True}, "n_sink: must be an int >= 0, got True"),
+        ("expected_attention", {"n_future_positions": -1}, "n_future_positions: must be an int >= 1, got -1"),
+        ("expected_attention", {"epsilon": float("nan")}, "epsilon: must be a number in [0, inf), got nan"),
+        ("expected_attention", {"use_covariance": "no"}, "use_covariance: must be True or False, got 'no'"),
+        ("kvzip", {"chunk_size": 0}, "chunk_size: must be an int >= 1, got 0"),
+        ("kvzip", {"n_sink": -4}, "n_sink: must be an int >= 0, got -4"),
+        ("compactor", {"sink_size_start": -1}, "sink_size_start: must be an int >= 0, got -1"),
+        ("compactor", {"sketch_dimension": 0}, "sketch_dimension: must be an int >= 1, got 0"),
+        ("compactor", {"blending": "a"}, "blending: must be a number in [0, inf), got 'a'"),
+        ("compactor", {"_leverage_press": 3}, "_leverage_press: compactor has no option '_leverage_press'"),
+        ("adakv", {"press": "x"}, "adakv: kvpress refused the options press='x': AdaKVPress requires a ScorerPress"),
+    ],
+)
+def test_kvpress_options_are_checked_when_the_press_is_made(name, options, message):
+    """kvpress's presses check few of their fields: make_press refuses a bad one, naming it and its range, and turns
+    kvpress's own asserts into a ValueError naming the method and the options."""
+    with pytest.raises(ValueError, match="^" + re.escape(message)) as info:
+        registry.make_press(name, 0.5, **options)
+    assert "\n" not in str(info.value)
+
+
+def test_kvpress_options_in_range_are_taken_as_plain_numbers():
+    import numpy as np
+
+    assert registry.make_press("streamingllm", 0.5, n_sink=0).n_sink == 0
+    press = registry.make_press("snapkv", 0.5, window_size=np.int64(1), kernel_size=1)
+    assert (press.window_size, type(press.window_size), press.kernel_size) == (1, int, 1)
+    assert registry.make_press("adakv", 0.5, alpha_safeguard=1).alpha_safeguard == 1.0
+    assert registry.make_press("compactor", 0.5, blending=None, sink_size_end=0).blending is None
+    assert registry.make_press("expected_attention", 0.5, use_vnorm=False, epsilon=0.5).epsilon == 0.5
+
+
+def test_a_press_option_that_is_not_yaml_names_the_flag():
+    with pytest.raises(ValueError, match=re.escape("--press-option: 'compresskv.reference=[': the value '[' is not "
+                                                   "valid YAML (expected the node content")):  # fmt: skip
+        registry.parse_press_option("compresskv.reference=[")
+    assert registry.parse_press_option("reference=[window]", "compresskv") == ("compresskv", "reference", ["window"])

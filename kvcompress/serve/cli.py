@@ -167,6 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_decode_per_prefill(args.decode_per_prefill)
         if not 0 < args.port < 65536:
             raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
+        if args.served_model_name is not None and not args.served_model_name.strip():  # clients could not name it
+            raise ValueError(f"--served-model-name: must be a non-empty name, got {args.served_model_name!r}")
+        from kvcompress._checks import model_path_problem
+
+        problem = model_path_problem(args.model)  # before the Hub reads a missing path as a malformed repo id
+        if problem:
+            raise ValueError(f"--model: {problem}")
         press, press_label = press_from_args(args)
     except ValueError as err:
         print(f"kvcompress serve: error: {err}", file=sys.stderr)
