@@ -270,8 +270,9 @@ def test_turn_reuse_exact_compresses_a_later_turn_whole(pipe):
     """``--turn-reuse prefix`` (the default) serves a later turn from its stored earlier turn, the new tokens exact;
     ``exact`` compresses it whole, the rows a server that never saw the earlier turn holds for it."""
     from kvcompress.registry import make_press
-    from kvcompress.serve.engine import TURN_REUSE, Engine
+    from kvcompress.serve.engine import Engine
     from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.store import TURN_REUSE
 
     first = pipe.tokenizer.encode(contexts(1)[0])
     later = first + pipe.tokenizer.encode(" Then came the second turn of this chat, and a third.")

@@ -17,9 +17,9 @@ EPILOG = """example:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvcompress.serve.engine import TURN_REUSE
     from kvcompress.serve.protocol import CHAT_CONTEXT_MODES
     from kvcompress.serve.step import COMPILE_BACKENDS
+    from kvcompress.serve.store import TURN_REUSE
 
     p = argparse.ArgumentParser(
         prog="kvcompress serve", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -181,10 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from kvcompress.models import EMBEDDED_MODEL, load_model, resolve_device_dtype
-    from kvcompress.serve.engine import TURN_REUSE, Engine
+    from kvcompress.serve.engine import Engine
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.step import resolved_backend
-    from kvcompress.serve.store import ContextStore
+    from kvcompress.serve.store import TURN_REUSE, ContextStore
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

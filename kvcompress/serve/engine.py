@@ -131,11 +131,6 @@ class Session:
     last_at: float = 0.0
 
 
-# --turn-reuse: the share of a new context a stored earlier turn must cover to serve it (1.0: none can, a stored
-# context is a proper prefix)
-TURN_REUSE = {"prefix": 0.5, "exact": 1.0}
-
-
 class Engine:
     """Owns the model and the store; :meth:`submit` hands a :class:`Job` to the scheduler (continuous batching)."""
 

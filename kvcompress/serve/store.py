@@ -17,6 +17,10 @@ from transformers import DynamicCache
 
 from kvcompress.cache import WeightedLayer, cache_bytes
 
+# --turn-reuse: the share of a new context a stored earlier turn must cover to serve it (1.0: none can, a stored
+# context is a proper prefix)
+TURN_REUSE = {"prefix": 0.5, "exact": 1.0}
+
 StoreKey = tuple[tuple[int, ...], str, str]  # (context token ids, model name, press settings)
 
 
