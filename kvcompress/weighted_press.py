@@ -263,11 +263,13 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         (:mod:`kvcompress.window`), and a :class:`kvcompress.static_cache.StaticWeightedCache` made static."""
         self._compress_deferred()
         self._side.join()  # the compressed layers are read from here on
-        if self._repeating or not self._prefilled:
+        if self._repeating:
+            return
+        restore, self._restore = self._restore, None  # this call went through: nothing for _undo_a_failed_prefill
+        if not self._prefilled:
             return
         self._prefilled = False
         flags, self._finite = self._finite, []
-        restore, self._restore = self._restore, None
         try:
             refuse_non_finite_layers(flags, getattr(decoder, "dtype", None))
             cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
