@@ -276,9 +276,11 @@ def main(argv: list[str]) -> int:
     if problem:
         p.error(f"--model: {problem}")
     output = Path(args.output) if args.output else None
-    problem = unwritable(output) if output is not None else None  # before the scan (minutes to hours), not after
+    # Before the scan (minutes to hours), not after; without --output, the folder calibrations are filed in.
+    problem = unwritable(output if output is not None else user_directory() / "calibration.json")
     if problem:
-        p.error(f"--output: {problem}")
+        where = "" if output is not None else f" (not given: {user_directory()}, $KVCOMPRESS_CALIBRATIONS)"
+        p.error(f"--output{where}: {problem}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:

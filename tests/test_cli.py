@@ -152,3 +152,11 @@ def test_calibrate_refuses_an_output_that_cannot_be_created_before_the_scan(caps
         f"kvcompress calibrate: error: --output: {FORBIDDEN}.json cannot be created: no folder can be made in /proc "
         "(No such file or directory)"
     )
+    monkeypatch.setenv("KVCOMPRESS_CALIBRATIONS", FORBIDDEN)  # no --output: the folder calibrations are filed in
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["calibrate"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kvcompress calibrate: error: --output (not given: {FORBIDDEN}, $KVCOMPRESS_CALIBRATIONS): {FORBIDDEN}/"
+        "calibration.json cannot be created: no folder can be made in /proc (No such file or directory)"
+    )
