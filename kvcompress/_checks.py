@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import math
 import numbers
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,13 @@ def check_layer_list(name: str, value: object) -> tuple[int, ...] | str:
     if len(set(layers)) != len(layers):
         raise ValueError(f"{name}: must be distinct layer indices, got {layers!r}")
     return layers
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is True or False (a truthy string such as "no" is not), else a one-line ValueError."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be True or False, got {value!r}")
+    return value
 
 
 def check_compression_ratio(value: object) -> float:
@@ -181,3 +189,13 @@ def existing_folder(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
+
+
+def unmakeable_folder(folder: Path) -> str | None:
+    """Why no folder can be made in the existing folder ``folder`` (one made there and removed finds out: ``os.access``
+    says yes to root even where nothing can be made, such as /proc), or None."""
+    try:
+        tempfile.TemporaryDirectory(dir=folder, prefix=".kvcompress-").cleanup()
+    except OSError as err:
+        return f"no folder can be made in {folder} ({err.strerror or type(err).__name__})"
+    return None

@@ -7,7 +7,14 @@ import math
 import torch
 
 from kvcompress._checks import BACKENDS as _BASE_BACKENDS
-from kvcompress._checks import check_backend, check_float_tensor, check_fold_from, check_int_range, check_positive
+from kvcompress._checks import (
+    check_backend,
+    check_bool,
+    check_float_tensor,
+    check_fold_from,
+    check_int_range,
+    check_positive,
+)
 from kvcompress._checks import check_finite as _check_finite
 
 BACKENDS = (*_BASE_BACKENDS, "sdpa", "flex")  # weighted_attention's backends
@@ -61,8 +68,7 @@ def weighted_attention(
     row ``i`` folds its one row ``fold_from[i]`` (a decode batch whose rows end at different lengths).
     """
     check_backend(backend, BACKENDS)
-    if not isinstance(check_finite, bool):
-        raise ValueError(f"check_finite: must be True or False, got {check_finite!r}")
+    check_bool("check_finite", check_finite)
     check_float_tensor("queries", queries, ndim=4)
     check_float_tensor("keys", keys, ndim=4)
     check_float_tensor("values", values, ndim=4)

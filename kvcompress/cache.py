@@ -28,6 +28,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
 from kvcompress.attention import fold_value_range_
 
+ATTENTION_NAME = "kvcompress"  # the attention a compressed cache needs (registered by kvcompress.hf_attention)
+
 _TAG = "_kvcompress_layer"
 
 
@@ -340,9 +342,10 @@ def refuse_other_attention(frame, depth: int = 3) -> None:
         config = getattr(module, "config", None) if isinstance(module, torch.nn.Module) else None
         if config is not None:
             used = getattr(config, "_attn_implementation", None)
-            if used is not None and used != "kvcompress":
+            if used is not None and used != ATTENTION_NAME:
                 raise ValueError(
-                    f"past_key_values: a kvcompress-compressed cache needs the model's attention to be 'kvcompress', "
+                    f"past_key_values: a kvcompress-compressed cache needs the model's attention to be "
+                    f"{ATTENTION_NAME!r}, "
                     f"got {used!r}: call kvcompress.use_weighted_attention(model) first (a press sets it on the model "
                     "it runs on; a fresh model, or one switched back, has its own)"
                 )

@@ -26,13 +26,12 @@ the qa and multi-key answers lost at 2048 tokens are mostly layer 7's, at 1024 t
 from __future__ import annotations
 
 import copy
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from kvcompress._checks import existing_folder, model_path_problem, one_line
+from kvcompress._checks import existing_folder, model_path_problem, one_line, unmakeable_folder
 from kvcompress.calibration import (
     FULL_COVER,
     FULL_MOST,
@@ -191,11 +190,8 @@ def unwritable(path: Path) -> str | None:
     folder = existing_folder(path.parent)
     if not folder.is_dir():
         return f"{folder} is a file, not a folder"
-    try:
-        tempfile.TemporaryDirectory(dir=folder, prefix=".kvcompress-").cleanup()
-    except OSError as err:
-        return f"{path} cannot be created: no folder can be made in {folder} ({err.strerror or type(err).__name__})"
-    return None
+    problem = unmakeable_folder(folder)
+    return None if problem is None else f"{path} cannot be created: {problem}"
 
 
 def main(argv: list[str]) -> int:

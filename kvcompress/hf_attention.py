@@ -31,9 +31,8 @@ from kvcompress.attention import (
     weighted_attention_probabilities,
     weighted_attention_unchecked,
 )
-from kvcompress.cache import layer_of
+from kvcompress.cache import ATTENTION_NAME, layer_of
 
-ATTENTION_NAME = "kvcompress"
 logger = hf_logging.get_logger(__name__)
 
 try:  # transformers' collector of output_attentions / output_hidden_states (a private name: absent, no warning)

@@ -15,6 +15,7 @@ from kvcompress import rng
 from kvcompress._checks import (
     as_finite_float64,
     check_backend,
+    check_bool,
     check_finite,
     check_float_tensor,
     check_int_range,
@@ -241,8 +242,7 @@ def compress_kv(
         seed = int(torch.randint(0, 2**62, (1,)).item())
     else:
         seed = check_int_range("seed", seed, -(2**63), 2**63 - 1)  # numpy integers too
-    if not isinstance(check_inputs, bool):
-        raise ValueError(f"check_inputs: must be True or False, got {check_inputs!r}")
+    check_bool("check_inputs", check_inputs)
     if check_inputs:
         check_finite("keys", keys)
         check_finite("values", values)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvcompress._checks import check_choice, check_int_range, check_layer_list, check_number
+from kvcompress._checks import check_bool, check_choice, check_int_range, check_layer_list, check_number
 from kvcompress.calibration import layers_at
 from kvcompress.methods import compress_by_attention, compress_by_rpnys, compress_hybrid, mixed_scores
 from kvcompress.press_guards import check_layer_options
@@ -147,15 +147,13 @@ class CompressKVPress(WeightedSubsetPress):
                 f"repeat_pieces: 'novel' needs 'novelty' and 'repeat' in reference, got reference={self.reference!r}"
             )
         check_number("novelty_share", self.novelty_share, 0, 1)
-        if not isinstance(self.novelty_value_norm, bool):
-            raise ValueError(f"novelty_value_norm: must be True or False, got {self.novelty_value_norm!r}")
+        check_bool("novelty_value_norm", self.novelty_value_norm)
         check_number("induction_share", self.induction_share, 0, 1)
         self.retrieval_layers = check_layer_list("retrieval_layers", self.retrieval_layers)
         self._retrieval = () if self.retrieval_layers == "auto" else self.retrieval_layers
         self.full_layers = check_layer_list("full_layers", self.full_layers)
         self._full = {0: self.full_layers} if self.full_layers not in ("auto", ()) else {}
-        if not isinstance(self.full_layers_by_length, bool):
-            raise ValueError(f"full_layers_by_length: must be True or False, got {self.full_layers_by_length!r}")
+        check_bool("full_layers_by_length", self.full_layers_by_length)
         check_number("retrieval_rows", self.retrieval_rows, 1)
         check_number("retrieval_prior_share", self.retrieval_prior_share, 0, 1)
         for name, low in (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from kvcompress._checks import check_compression_ratio, check_int_range, check_number, one_line
+from kvcompress._checks import check_bool, check_compression_ratio, check_int_range, check_number, one_line
 
 
 @dataclass(frozen=True)
@@ -178,9 +178,7 @@ def check_kvpress_option(field: str, value: Any, default: Any) -> Any:
     """``value`` for the field ``field`` of a kvpress press whose default is ``default`` (a plain int or float where
     it is a number); a ValueError naming the field and its range (:data:`KVPRESS_RANGES`)."""
     if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"{field}: must be True or False, got {value!r}")
-        return value
+        return check_bool(field, value)
     if field in KVPRESS_RANGES and default is None:  # an optional number (Compactor's blending)
         if value is None:
             return None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress import rng
+from kvcompress._checks import check_bool
 from kvcompress.weighted_press import WeightedSubsetPress
 
 
@@ -26,8 +27,7 @@ class UniformPress(WeightedSubsetPress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.weighted, bool):
-            raise ValueError(f"weighted: must be True or False, got {self.weighted!r}")
+        check_bool("weighted", self.weighted)
 
     def compress_middle(self, module, keys, values, start, end, rows, reference):
         keys, values = keys[:, :, start:end], values[:, :, start:end]

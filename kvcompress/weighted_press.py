@@ -35,7 +35,7 @@ from kvpress.presses.base_press import BasePress, is_prefilling
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from kvcompress._checks import check_compression_ratio, check_int_range, plain_scalars
+from kvcompress._checks import check_bool, check_compression_ratio, check_int_range, plain_scalars
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
 from kvcompress.hf_attention import handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
@@ -134,8 +134,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         check_int_range("window_size", self.window_size, 0)
         if self.seed is not None:
             check_int_range("seed", self.seed, -(2**63), 2**63 - 1)
-        if not isinstance(self.overlap_compression, bool):
-            raise ValueError(f"overlap_compression: must be True or False, got {self.overlap_compression!r}")
+        check_bool("overlap_compression", self.overlap_compression)
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         # Called by another press (a wrapper: ComposedPress, PrefillDecodingPress, ...) outside our own `with`:

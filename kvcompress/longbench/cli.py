@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import Any
 import yaml
 
 from kvcompress import registry
-from kvcompress._checks import existing_folder
+from kvcompress._checks import existing_folder, unmakeable_folder
 from kvcompress.config import load_yaml
 from kvcompress.longbench.config import (
     DEFAULT_METHODS,
@@ -216,23 +215,13 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return validate(Config(**values))
 
 
-def _unwritable_folder(folder: Path) -> str | None:
-    """Why no folder can be made in the existing folder ``folder`` (one made there and removed finds out: ``os.access``
-    says yes to root even where nothing can be made, such as /proc), or None."""
-    try:
-        tempfile.TemporaryDirectory(dir=folder, prefix=".kvcompress-").cleanup()
-    except OSError as err:
-        return f"no folder can be made in {folder} ({err.strerror or type(err).__name__})"
-    return None
-
-
 def _check_run_dir(out: Path, cfg: Config) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir: {out} exists and is not a directory")
     folder = existing_folder(out.parent)  # it must be a folder: the rest is made when the first result is written
     if not folder.is_dir():
         raise UsageError(f"--output-dir: {folder} is a file, not a folder")
-    problem = _unwritable_folder(existing_folder(out))
+    problem = unmakeable_folder(existing_folder(out))
     if problem:  # found now, not when the first result is written after the model has loaded
         raise UsageError(f"--output-dir: {out} cannot be created or written: {problem}")
     if cfg.score_only and not any(out.glob("predictions/*/*.jsonl")):
