@@ -5,7 +5,8 @@ For each method (default: ``exact`` and ``compresskv``) the script starts ``pyth
 ``--users`` users in parallel, each with its own context of ``--context-tokens`` tokens (passages of CPython's
 documentation, offline); each sends the context with a first question, then ``--questions`` follow-up questions
 on the same context, one after the other, streamed, greedy, ``--max-tokens`` each (``--sequential``: one request
-at a time, the users in turn, so the time to first token holds no wait in the queue). Bounded: at most
+at a time, the users in turn, so the time to first token holds no wait in the queue; ``--one-part``: context and
+question in one text part, as most chat clients send them). Bounded: at most
 ``users x (1 + questions)`` requests per method, and no new request after ``--time-limit`` seconds.
 
 Each method runs once per ``--max-batch`` value (the server's continuous batching: sessions decoded together
@@ -13,7 +14,7 @@ per step; ``--max-batch 1`` is the one-at-a-time server).
 
 Reported per run: contexts resident at the end and at most during the run (polled every second), reuse
 rate (store hits / requests), p50 and p95 time to first token (all requests, first questions, follow-ups),
-p50 / p95 inter-token latency (gaps between streamed content chunks at the client), aggregate generated tokens
+p50 / p95 / largest inter-token latency (gaps between streamed content chunks at the client), aggregate generated tokens
 per second over the run, tokens per second of the decode steps alone (server: tokens decoded in steps / seconds
 of those steps; first tokens come from question prefills), mean and largest batch size per decode step
 (server), prefills, resident bytes next to their uncompressed size, and where the server's worker spent its time
@@ -110,10 +111,13 @@ def metrics(base: str) -> dict[str, float]:
     return out
 
 
-def ask(base: str, context: str, question: str, max_tokens: int) -> dict:
-    """One streamed chat request: time to first content token, gaps between content chunks, total time, tokens."""
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": context},
-                                                      {"type": "text", "text": question}]}],
+def ask(base: str, context: str, question: str, max_tokens: int, one_part: bool = False) -> dict:
+    """One streamed chat request: time to first content token, gaps between content chunks, total time, tokens.
+    ``one_part``: the context and the question in one text (all question under the server's ``--chat-context
+    parts``: prefilled whole, never compressed), else two text parts (the context compressed)."""
+    content = context + question if one_part else [{"type": "text", "text": context},
+                                                   {"type": "text", "text": question}]
+    body = {"messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     try:
@@ -169,7 +173,7 @@ def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.
                 if time.time() > stop_at:
                     return
                 question = "\n\nWhat is this text about? Answer briefly." if k == 0 else FOLLOW_UPS[(k - 1) % 5]
-                results.append((k, ask(base, contexts[i], question, args.max_tokens)))
+                results.append((k, ask(base, contexts[i], question, args.max_tokens, args.one_part)))
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
@@ -180,7 +184,7 @@ def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.
                     if time.time() > stop_at:
                         break
                     question = "\n\nWhat is this text about? Answer briefly." if k == 0 else FOLLOW_UPS[(k - 1) % 5]
-                    results.append((k, ask(base, contexts[i], question, args.max_tokens)))
+                    results.append((k, ask(base, contexts[i], question, args.max_tokens, args.one_part)))
         else:
             threads = [threading.Thread(target=user, args=(i,)) for i in range(args.users)]
             for t in threads:
@@ -212,6 +216,7 @@ def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.
         "tokens": sum(r["tokens"] for r in ok),
         "itl_p50": percentile([g for r in ok for g in r["gaps"]], 0.5),
         "itl_p95": percentile([g for r in ok for g in r["gaps"]], 0.95),
+        "itl_max": max((g for r in ok for g in r["gaps"]), default=float("nan")),
         "step_tokens_per_s": m.get("kvcompress_batch_size_sum", 0) / max(1e-9, m.get(
             "kvcompress_decode_step_seconds_sum", 0)),
         "batch_mean": m.get("kvcompress_batch_size_sum", 0) / max(1, m.get("kvcompress_batch_size_count", 0)),
@@ -233,7 +238,7 @@ def run_method(method: str, max_batch: int, contexts: list[str], args: argparse.
 def table(rows: list[dict]) -> str:
     head = ("| method | max batch | requests ok | contexts resident (end / peak) | resident MB (uncompressed MB) | "
             "prefills | reuse rate | TTFT p50 / p95 s | first-question TTFT p50 s | follow-up TTFT p50 / p95 s | "
-            "inter-token p50 / p95 s | batch per step (mean / max bucket) | tokens | tokens/s | "
+            "inter-token p50 / p95 / max s | batch per step (mean / max bucket) | tokens | tokens/s | "
             "decode-step tokens/s | "
             "server: context prefill / question prefill s (mean) | worker s: context prefill / question / decode |")
     lines = [head, "|" + "---|" * 17]
@@ -244,7 +249,8 @@ def table(rows: list[dict]) -> str:
             f"({r['uncompressed_bytes'] / 1e6:.1f}) | "
             f"{r['prefills']:.0f} | {r['reuse_rate']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
             f"{r['ttft_first_p50']:.2f} | {r['ttft_follow_p50']:.2f} / {r['ttft_follow_p95']:.2f} | "
-            f"{r['itl_p50']:.3f} / {r['itl_p95']:.3f} | {r['batch_mean']:.2f} / {r['batch_max']:.0f} | "
+            f"{r['itl_p50']:.3f} / {r['itl_p95']:.3f} / {r['itl_max']:.3f} | "
+            f"{r['batch_mean']:.2f} / {r['batch_max']:.0f} | "
             f"{r['tokens']} | {r['tokens_per_s']:.2f} | {r['step_tokens_per_s']:.2f} | "
             f"{r['server_prefill_s_mean']:.1f} / "
             f"{r['server_question_prefill_s_mean']:.2f} | {r['server_prefill_s']:.1f} / "
@@ -268,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                         "default 8)")
     p.add_argument("--sequential", action="store_true",
                    help="one request at a time, users in turn (time to first token without queueing)")
+    p.add_argument("--one-part", action="store_true",
+                   help="send each context and question as one text part, as most chat clients do (all question "
+                        "under the server's --chat-context parts: prefilled in --prefill-chunk pieces, never "
+                        "compressed); default: two parts, the context compressed")
     p.add_argument("--threads", type=int, help="torch threads of the server")
     p.add_argument("--model")
     p.add_argument("--server-arg", action="append", default=[],

@@ -827,7 +827,8 @@ def test_bad_inputs_keep_their_errors_and_phases_are_logged(batch_server):
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (body, r.text)
     log = log_path.read_text()
     for phase in (r"queued: context \d+ tokens", r"prefill\+compress: \d+ context tokens -> \d+ rows in [\d.]+ s",
-                  r"reuse hit: \d+ context tokens", r"question prefill: \d+ tokens in [\d.]+ s; first token",
+                  r"reuse hit: \d+ context tokens",
+                  r"question prefill: \d+ tokens in [\d.]+ s \(\d+ chunks?\); first token",
                   r"decode: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\)"):
         assert re.search(r"INFO kvcompress\.serve: request \S+ " + phase, log), phase
 

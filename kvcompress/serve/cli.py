@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "held back. 0: new contexts join as soon as possible (fullest batches, best aggregate "
                         "tokens/s measured); larger: smoother running streams and earlier follow-ups, later "
                         "first tokens for new contexts (a number in [0, 1e6]; default 0.0)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="C",
+                   help="a question longer than C tokens is prefilled C tokens at a time, one chunk between two "
+                        "decode steps, so the answers streaming meanwhile are held up one chunk at a time, not for "
+                        "the whole question (a one-part chat message, a pasted document, is all question under "
+                        "--chat-context parts); smaller: smoother streams, larger: that question's first token "
+                        "sooner (an integer >= 1; default 512)")
     p.add_argument("--compile-decode", default="auto", choices=COMPILE_BACKENDS,
                    help="compile the decode step (torch.compile, one graph for every step): inductor (on CUDA with "
                         "CUDA graphs: a step is a few launches instead of a few hundred, for the host-bound steps "
@@ -162,9 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for flag in ("max_batch", "max_batch_tokens"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: must be an integer >= 1, got {getattr(args, flag)}")
-        from kvcompress.serve.scheduler import check_decode_per_prefill
+        from kvcompress.serve.scheduler import check_decode_per_prefill, check_prefill_chunk
 
         check_decode_per_prefill(args.decode_per_prefill)
+        check_prefill_chunk(args.prefill_chunk)
         if not 0 < args.port < 65536:
             raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
         if args.served_model_name is not None and not args.served_model_name.strip():  # clients could not name it
@@ -228,12 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue,
                     max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                     decode_per_prefill=args.decode_per_prefill, compile_decode=args.compile_decode,
+                    prefill_chunk=args.prefill_chunk,
                     prefix_min_fraction=TURN_REUSE[args.turn_reuse])
     app = create_app(engine, served, api_key=args.api_key, chat_context=args.chat_context)
     logging.getLogger("kvcompress.serve").info(
         "serving %s with %s (kept %.3g) on http://%s:%d, cache memory %s, max batch %d, decode per prefill %g, "
-        "compiled decode %s, chat context %s", served, args.method, args.ratio, args.host, args.port,
-        args.cache_memory, args.max_batch, args.decode_per_prefill,
+        "prefill chunk %d, compiled decode %s, chat context %s", served, args.method, args.ratio, args.host, args.port,
+        args.cache_memory, args.max_batch, args.decode_per_prefill, args.prefill_chunk,
         resolved_backend(model, args.compile_decode), args.chat_context)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

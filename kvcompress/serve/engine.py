@@ -131,14 +131,30 @@ class Session:
     last_at: float = 0.0
 
 
+@dataclass
+class Opening:
+    """A request between its admission and its first token: its cache (the context's, then the question chunks fed so
+    far) and how far its question prefill got. A long question is fed in chunks between decode steps
+    (:class:`~kvcompress.serve.scheduler.Scheduler`), so the sessions decoding meanwhile keep streaming."""
+
+    job: Job
+    cache: Any
+    generator: torch.Generator | None
+    started: float  # admission
+    need: tuple[int, ...] = ()  # batch rows the scheduler reserved for it while it opens (its estimate)
+    fed: int = 0  # question tokens prefilled so far
+    chunks: int = 0
+    seconds: float = 0.0  # question prefill time so far
+
+
 class Engine:
     """Owns the model and the store; :meth:`submit` hands a :class:`Job` to the scheduler (continuous batching)."""
 
     def __init__(self, model, tokenizer, *, model_name: str, press, press_label: str, store: ContextStore,
                  metrics: ServerMetrics, max_queue: int = 64, prefix_min_fraction: float = 0.5, max_batch: int = 8,
                  max_batch_tokens: int = 131072, memory: int | None = None, decode_per_prefill: float | None = None,
-                 compile_decode: str = "auto"):
-        from kvcompress.serve.scheduler import DECODE_PER_PREFILL, Scheduler
+                 compile_decode: str = "auto", prefill_chunk: int | None = None):
+        from kvcompress.serve.scheduler import DECODE_PER_PREFILL, PREFILL_CHUNK, Scheduler
 
         self.model, self.tokenizer, self.press = model, tokenizer, press
         self.token_bytes = TokenBytes(tokenizer)
@@ -169,7 +185,8 @@ class Engine:
         self.scheduler = Scheduler(self, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
                                    memory=store.capacity if memory is None else memory, max_queue=max_queue,
                                    decode_per_prefill=DECODE_PER_PREFILL if decode_per_prefill is None
-                                   else decode_per_prefill)
+                                   else decode_per_prefill,
+                                   prefill_chunk=PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
 
     # -- HTTP side ---------------------------------------------------------------------------------------
     def submit(self, jobs: list[Job]) -> None:
@@ -237,35 +254,53 @@ class Engine:
         return cache
 
     def open_session(self, job: Job) -> Session:
-        """Context (stored or prefilled), question prefill and the first token (streamed). The returned session
-        has ``finish`` set when that token already ended it, else its ``rows`` ready to join the decode batch."""
+        """Context (stored or prefilled), question prefill and the first token (streamed), in one go: :meth:`begin`
+        then :meth:`feed` of the whole question. The returned session has ``finish`` set when that token already
+        ended it, else its ``rows`` ready to join the decode batch."""
+        return self.feed(self.begin(job))
+
+    def begin(self, job: Job) -> Opening:
+        """Open ``job``: its context's cache (stored, or prefilled and compressed now) and a view its question writes
+        into (the stored cache stays as it is); no question token is fed yet."""
         started = time.perf_counter()
         context = self.context_cache(job.context_ids, job.rid)
         self.metrics.set_store(self.store.stats())
-        cache = answer_view(context) if job.context_ids else context
-        device = self.model.device
-        n_ctx, n_q = len(job.context_ids), len(job.question_ids)
-        self.metrics.prompt_tokens.inc(n_ctx + n_q)
+        self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
         generator = None
         if job.temperature > 0:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(job.seed if job.seed is not None else int(torch.seed() % 2**63))
+        return Opening(job, answer_view(context) if job.context_ids else context, generator, started)
+
+    def feed(self, opening: Opening, tokens: int | None = None) -> Session | None:
+        """Prefill the next ``tokens`` question tokens of ``opening`` (all that are left when None), at their
+        positions after the context's and the chunks before. None while some are left; after the last one, the first
+        token is sampled and streamed and the :class:`Session` returned (as :meth:`open_session` returns it)."""
+        job, device = opening.job, self.model.device
+        n_ctx, n_q = len(job.context_ids), len(job.question_ids)
+        end = n_q if tokens is None else min(n_q, opening.fed + tokens)
         start = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor([job.question_ids], device=device),
-            past_key_values=cache,
-            position_ids=torch.arange(n_ctx, n_ctx + n_q, device=device).unsqueeze(0),
-            logits_to_keep=1,
-        )
+        chunk = dict(input_ids=torch.tensor([job.question_ids[opening.fed:end]], device=device),
+                     past_key_values=opening.cache,
+                     position_ids=torch.arange(n_ctx + opening.fed, n_ctx + end, device=device).unsqueeze(0))
+        if end < n_q:  # no logits before the last chunk
+            self.model.model(**chunk)
+        else:
+            out = self.model(**chunk, logits_to_keep=1)
         now = time.perf_counter()
-        self.metrics.question_seconds.observe(now - start)
-        session = Session(job, n_ctx + n_q, StopText(job.stop), generator, started=started, first_at=now, last_at=now)
+        opening.fed, opening.chunks, opening.seconds = end, opening.chunks + 1, opening.seconds + now - start
+        if end < n_q:
+            return None
+        self.metrics.question_seconds.observe(opening.seconds)
+        session = Session(job, n_ctx + n_q, StopText(job.stop), opening.generator, started=opening.started,
+                          first_at=now, last_at=now)
         self.metrics.ttft_seconds.observe(now - job.submitted)
-        log.info("request %s question prefill: %d tokens in %.2f s; first token %.2f s after arrival (queued %.2f s)",
-                 job.rid, n_q, now - start, now - job.submitted, started - job.submitted)
-        token = job.choose(out.logits[0, -1], [], generator)
-        if not self.advance(session, token, out.logits[0, -1]):
-            session.rows = session_rows(cache)
+        log.info("request %s question prefill: %d tokens in %.2f s (%d chunk%s); first token %.2f s after arrival "
+                 "(queued %.2f s)", job.rid, n_q, opening.seconds, opening.chunks, "" if opening.chunks == 1 else "s",
+                 now - job.submitted, opening.started - job.submitted)
+        logits = out.logits[0, -1]
+        if not self.advance(session, job.choose(logits, [], opening.generator), logits):
+            session.rows = session_rows(opening.cache)
             session.need = tuple(r.keys.shape[-2] + job.max_tokens - len(session.ids) for r in session.rows)
         return session
 

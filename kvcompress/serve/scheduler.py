@@ -1,15 +1,18 @@
 """Continuous batching: one worker thread decodes one token for every active session per step.
 
 Between two steps the scheduler retires finished or cancelled sessions and admits waiting requests in arrival
-order: a request's context is taken from the store or prefilled and compressed, its question is prefilled as a
-step of its own (batch 1) and its first token streamed; then it joins the decode batch
-(:mod:`kvcompress.serve.batch`). Why the question prefill is its own step and not chunked into decode steps:
+order: a request's context is taken from the store or prefilled and compressed, its question is prefilled
+(batch 1) and its first token streamed; then it joins the decode batch (:mod:`kvcompress.serve.batch`).
 
-- the decode step keeps one token per row, the fixed shape a static cache and one CUDA graph per batch-size
-  bucket need (the compiled decode path plugs in there);
-- questions are short (tens of tokens): their prefill costs about one decode step; the long part, the context's
-  prefill and compression, cannot be chunked into decode steps at all, since the press needs the whole context;
-- it is the one-request path, so the first token is the one a lone request gets.
+Question prefill in chunks (``--prefill-chunk`` C tokens): a question longer than C tokens is prefilled C tokens at
+a time, one chunk between two decode steps, so the sessions decoding meanwhile keep streaming (a one-part chat
+message is all question under ``--chat-context parts``: a pasted document of thousands of tokens would otherwise
+stall every stream for its whole prefill). One request at a time opens in chunks; a request whose question fits
+one chunk is not held back by it. Why chunks run between decode steps, not inside them: the decode step keeps
+one token per row, the fixed shape a static cache and one CUDA graph per batch-size bucket need. Chunking costs
+little: each chunk re-reads the rows before it, a question's prefill is the same attention split in C-token
+pieces (its logits equal the one-shot prefill's to rounding). A context's prefill and compression is not chunked:
+the press needs the whole context (the prefill budget below paces it instead).
 
 Admission policy (the prefill budget, ``--decode-per-prefill`` R). A context prefill (and compression) cannot
 be chunked and stalls every decoding session for its whole length, while a decode step serves all of them at
@@ -48,11 +51,12 @@ from collections import deque
 import torch
 
 from kvcompress.serve.batch import DecodeBatch, batch_bytes
-from kvcompress.serve.engine import Job, QueueFull, Session, TooLarge
+from kvcompress.serve.engine import Job, Opening, QueueFull, Session, TooLarge
 
 log = logging.getLogger("kvcompress.serve")
 DECODE_PER_PREFILL = 0.0  # --decode-per-prefill's default (see the module docstring)
 MAX_DECODE_PER_PREFILL = 1e6
+PREFILL_CHUNK = 512  # --prefill-chunk's default: question tokens prefilled between two decode steps
 
 
 def check_decode_per_prefill(value: float) -> float:
@@ -62,12 +66,20 @@ def check_decode_per_prefill(value: float) -> float:
     return value
 
 
+def check_prefill_chunk(value: int) -> int:
+    """``value`` if it is a valid ``--prefill-chunk`` (an integer >= 1), else a one-line ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--prefill-chunk: must be an integer >= 1 (question tokens per chunk), got {value!r}")
+    return value
+
+
 class Scheduler:
     """Owns the decode batch and the waiting queue of an :class:`~kvcompress.serve.engine.Engine`."""
 
     def __init__(self, engine, *, max_batch: int, max_batch_tokens: int, memory: int, max_queue: int,
-                 decode_per_prefill: float = DECODE_PER_PREFILL):
+                 decode_per_prefill: float = DECODE_PER_PREFILL, prefill_chunk: int = PREFILL_CHUNK):
         check_decode_per_prefill(decode_per_prefill)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         if max_batch < 1:
             raise ValueError(f"--max-batch: must be an integer >= 1, got {max_batch}")
         if max_batch_tokens < 1:
@@ -79,6 +91,7 @@ class Scheduler:
         self.batch: DecodeBatch | None = None
         self._waiting: deque[Job] = deque()
         self._ready: deque[Session] = deque()  # opened, waiting for room in the batch
+        self._opening: Opening | None = None  # admitted, its long question being prefilled chunk by chunk
         self._cond = threading.Condition()
         self._stopping = False
         self._seconds_per_request = 1.0  # running mean, for Retry-After
@@ -161,7 +174,7 @@ class Scheduler:
         need = () if job.max_tokens <= 1 else tuple(r + len(job.question_ids) + job.max_tokens - 1 for r in rows)
         return need, new_bytes, key
 
-    def _capacity(self, sessions: list[Session], need: tuple[int, ...] = ()) -> tuple[int, ...]:
+    def _capacity(self, sessions: list[Session | Opening], need: tuple[int, ...] = ()) -> tuple[int, ...]:
         """Per layer, the capacity a batch of ``sessions`` (and a session reserving ``need``) gets: the most rows a
         session reserves in that layer, rounded up when steps are compiled. A one-value ``need`` (an estimate)
         stands for every layer."""
@@ -174,9 +187,11 @@ class Scheduler:
         """Whether a session reserving ``need`` batch rows (per layer) fits beside the active and joining sessions.
         When it does, stored contexts are evicted (least recently used first, ``keep`` last) so the batch, the stored
         contexts and ``new_bytes`` of a context about to be stored stay within the budget; a context that then
-        does not fit is served but not stored. Active sessions are never touched."""
-        sessions = len(self.active) + len(joining)
-        capacity = self._capacity(self.active + joining, need)
+        does not fit is served but not stored. Active sessions are never touched; a request opening in chunks counts
+        as one of them (it holds its reservation until it joins)."""
+        holding = self.active + joining + ([self._opening] if self._opening is not None else [])
+        sessions = len(holding)
+        capacity = self._capacity(holding, need)
         if need:
             if sessions >= self.max_batch:
                 return False
@@ -221,7 +236,7 @@ class Scheduler:
             self.engine.warm_up()  # requests wait in the queue meanwhile
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self.active or self._ready):
+                    while not (self._stopping or self._waiting or self.active or self._ready or self._opening):
                         self._cond.wait()
                     if self._stopping:
                         return
@@ -243,7 +258,8 @@ class Scheduler:
     def _next_job(self, joining: list[Session]) -> Job | None:
         """The waiting request to open now, or None. Arrival order, except that while the prefill budget holds
         context prefills back, a request whose context is stored (a follow-up: only its question to prefill)
-        passes the contexts waiting for their prefill. Nothing passes a request that waits for memory, so no
+        passes the contexts waiting for their prefill; while a request opens in chunks, a question that needs chunks
+        waits, and shorter ones pass it. Nothing passes a request that waits for memory, so no
         request starves."""
         cold_ok = self._may_prefill(joining)
         with self._cond:
@@ -252,6 +268,8 @@ class Scheduler:
         for job in jobs:
             if job.cancelled.is_set():
                 continue
+            if self._opening is not None and len(job.question_ids) > self.prefill_chunk:
+                continue  # one request opens in chunks at a time; shorter questions pass it
             if cold_ok or self.engine.is_stored(job.context_ids) or not job.context_ids:
                 return job
             if not self._fits(joining, self._estimate(job, peek=True)[0], 0, None, evict=False):
@@ -265,7 +283,12 @@ class Scheduler:
         return not (self.active or joining) or (self._steps_since_prefill >= 1 and self._owed <= 0)
 
     def _admit(self) -> None:
+        """Between two decode steps: the next chunk of the request opening in chunks, then the sessions and requests
+        that fit join the batch (each request's context prefilled or taken from the store, its question prefilled,
+        or its first chunk only when it needs several)."""
         joining: list[Session] = []
+        if self._opening is not None:
+            self._feed_opening(joining)
         while True:
             if self._ready:  # opened sessions first: they hold memory already
                 session = self._ready[0]
@@ -288,20 +311,18 @@ class Scheduler:
             cold = not self.engine.is_stored(job.context_ids) and bool(job.context_ids)
             start = time.perf_counter()
             try:
-                session = self.engine.open_session(job)
+                opening = self.engine.begin(job)
+                if cold:
+                    self._prefilled(job, time.perf_counter() - start)
+                session = self.engine.feed(opening, self.prefill_chunk)
             except Exception as err:  # noqa: BLE001
-                log.exception("request %s failed", job.rid)
-                first = str(err).splitlines()[0] if str(err) else ""
-                job.emit("error", f"generation failed: {type(err).__name__}: {first}")
+                self._failed(job, err)
                 continue
-            if cold:
-                self._prefilled(job, time.perf_counter() - start)
-            if session.finish is not None:
-                self._retired(session)
-            elif self._fits(joining, session.need, 0, None):
-                joining.append(session)
-            else:
-                self._ready.append(session)
+            if session is None:  # the rest of its question in chunks, one between two decode steps
+                opening.need = need
+                self._opening = opening
+                continue
+            self._place(session, joining)
         if joining:
             keep = list(range(len(self.active)))
             capacity = self._capacity(self.active + joining)
@@ -309,6 +330,40 @@ class Scheduler:
             for session in joining:
                 session.rows = None  # the batch holds them now
             self.active += joining
+
+    def _feed_opening(self, joining: list[Session]) -> None:
+        """Prefill the next chunk of the request opening in chunks; after its last one, its session joins (or waits
+        for room, or ends at its first token). A request whose client has gone is dropped between two chunks."""
+        opening, self._opening = self._opening, None
+        job = opening.job
+        if job.cancelled.is_set():
+            self.metrics.cancelled.inc()
+            log.info("request %s cancelled by the client after %d of %d question tokens", job.rid, opening.fed,
+                     len(job.question_ids))
+            return
+        try:
+            session = self.engine.feed(opening, self.prefill_chunk)
+        except Exception as err:  # noqa: BLE001
+            self._failed(job, err)
+            return
+        if session is None:
+            self._opening = opening
+        else:
+            self._place(session, joining)
+
+    def _place(self, session: Session, joining: list[Session]) -> None:
+        """A session that has its first token: retired if that ended it, else joining now if it fits, else ready."""
+        if session.finish is not None:
+            self._retired(session)
+        elif self._fits(joining, session.need, 0, None):
+            joining.append(session)
+        else:
+            self._ready.append(session)
+
+    def _failed(self, job: Job, err: Exception) -> None:
+        log.exception("request %s failed", job.rid)
+        first = str(err).splitlines()[0] if str(err) else ""
+        job.emit("error", f"generation failed: {type(err).__name__}: {first}")
 
     def _prefilled(self, job: Job, seconds: float) -> None:
         """Book a context prefill of ``seconds`` against the budget: the batch owes that many seconds times

@@ -1,0 +1,175 @@
+"""The server's question prefill in chunks (``--prefill-chunk``): a chunked question gives the one-shot prefill's
+first-token logits and cache rows, and the scheduler runs one chunk between two decode steps, one request opening
+in chunks at a time, shorter questions passing it, a cancelled one dropped between chunks. Tiny random models and
+an engine in this process (fast); the real server with the embedded model (slow)."""
+
+from __future__ import annotations
+
+import re
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.serve_helpers import running_server
+from tests.tiny_models import tiny_model
+
+
+def _engine(model, press, prefill_chunk=512):
+    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.metrics import ServerMetrics
+    from kvcompress.serve.store import ContextStore
+
+    tokenizer = SimpleNamespace(eos_token_id=None, decode=lambda ids, skip_special_tokens=True: " x" * len(ids))
+    engine = Engine(model, tokenizer, model_name="m", press=press, press_label="p", store=ContextStore(10**9),
+                    metrics=ServerMetrics(), compile_decode="off", prefill_chunk=prefill_chunk)
+    engine.eos_ids = set()  # random weights: every answer runs to its max_tokens
+    assert engine.ready.wait(60)  # the worker's warm-up is over (nothing to compile)
+    return engine
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@torch.no_grad()
+def test_a_question_fed_in_chunks_gives_the_one_shot_logits_and_rows(family):
+    """A 10-token question after a compressed 300-token context, fed 3, 4 or 7 tokens at a time, against all at
+    once: the first token's logits and every layer's session rows (keys, values, weights, clip range) agree to float64
+    rounding (the same attention, split at other query rows; float64 so the sums' order is all that differs). gemma3:
+    sliding-window layers of 16 tokens, which a chunk crosses."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.engine import Job
+
+    overrides = {"sliding_window": 16} if family == "gemma3" else {}
+    model = tiny_model(family, dtype=torch.float64, seed=3, **overrides)
+    use_weighted_attention(model)
+    engine = _engine(model, make_press("compresskv", 0.5, 0))
+    g = torch.Generator().manual_seed(11)
+    context = torch.randint(0, 256, (300,), generator=g).tolist()
+    question = torch.randint(0, 256, (10,), generator=g).tolist()
+    logits = []
+    real_advance = engine.advance
+    engine.advance = lambda session, token, scores: (logits.append(scores.clone()), real_advance(session, token,
+                                                                                               scores))[1]
+    try:
+        whole = engine.feed(engine.begin(Job(context, question, max_tokens=4, temperature=0)))
+        stored = engine.stored(context).cache
+        rows = [layer.keys.clone() for layer in stored.layers]
+        assert max(r.shape[-2] for r in rows) <= 150  # compressed
+        for chunk in (3, 4, 7):
+            opening = engine.begin(Job(context, question, max_tokens=4, temperature=0))  # the stored context
+            pieces = []
+            while (session := engine.feed(opening, chunk)) is None:
+                pieces.append(opening.fed)
+            assert pieces == list(range(chunk, 10, chunk)) and opening.chunks == -(-10 // chunk)
+            torch.testing.assert_close(logits[-1], logits[0], rtol=1e-10, atol=1e-10)
+            assert session.position == whole.position == 310 and session.need == whole.need
+            for mine, one_shot in zip(session.rows, whole.rows, strict=True):
+                for name in ("keys", "values", "weights", "v_min", "v_max"):
+                    torch.testing.assert_close(getattr(mine, name), getattr(one_shot, name), rtol=1e-10, atol=1e-10)
+                assert mine.window == one_shot.window
+        for layer, before in zip(stored.layers, rows, strict=True):  # no question row written into the stored cache
+            assert torch.equal(layer.keys, before)
+    finally:
+        engine.shutdown()
+
+
+@torch.no_grad()
+def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
+    """Submitted together, on a worker with 8-token chunks: A (a context, a 2-token question, 40 tokens to answer)
+    decodes while B (a 40-token question), C (5 tokens), D (20) and E (40, its client gone after 2 chunks) open.
+    From the engine's calls, in order: every later chunk of an opening request comes after a decode step of A's
+    batch; C (one chunk) opens while B is in its chunks and joins the batch; D, which needs chunks too, waits until
+    B's last chunk; E stops after its second chunk and is counted cancelled; every other answer runs to its end."""
+    from kvcompress.serve.engine import Job
+
+    model = tiny_model("llama", seed=5)
+    engine = _engine(model, None, prefill_chunk=8)
+    g = torch.Generator().manual_seed(2)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    jobs = {name: Job(context, ids(n), max_tokens=tokens, temperature=0, rid=name)
+            for name, context, n, tokens in (("A", ids(64), 2, 40), ("B", [], 40, 3), ("C", [], 5, 3),
+                                             ("D", [], 20, 2), ("E", [], 40, 5))}  # fmt: skip
+    calls, closed, done = [], {}, threading.Event()
+    feed, decode, close = engine.feed, engine.decode, engine.close
+
+    def fed(opening, tokens=None):
+        calls.append(("feed", opening.job.rid, opening.fed))
+        if opening.job.rid == "E" and opening.fed == 8:
+            opening.job.cancelled.set()  # its client leaves during its second chunk
+        return feed(opening, tokens)
+
+    def decoded(batch, tokens, positions):
+        calls.append(("decode", len(tokens)))
+        return decode(batch, tokens, positions)
+
+    def closed_one(session, batch=1):
+        closed[session.job.rid] = len(session.ids)
+        close(session, batch)
+        if len(closed) == 4:
+            done.set()
+
+    engine.feed, engine.decode, engine.close = fed, decoded, closed_one
+    try:
+        engine.submit(list(jobs.values()))
+        assert done.wait(120), calls
+    finally:
+        engine.shutdown()
+    assert closed == {"A": 40, "B": 3, "C": 3, "D": 2}
+    assert engine.metrics.cancelled._value.get() == 1
+    feeds = {name: [i for i, call in enumerate(calls) if call[:2] == ("feed", name)] for name in jobs}
+    assert [len(feeds[name]) for name in "ABCDE"] == [1, 5, 1, 3, 2]
+    assert [calls[i][2] for i in feeds["B"]] == [0, 8, 16, 24, 32]  # where each chunk starts
+    for name in "BDE":
+        for before, after in zip(feeds[name], feeds[name][1:], strict=False):
+            assert any(call[0] == "decode" for call in calls[before:after]), (name, calls)
+    assert feeds["C"][0] < feeds["B"][1]  # C passed B
+    assert feeds["D"][0] > feeds["B"][-1] and feeds["E"][0] > feeds["D"][-1]  # one opening at a time, in order
+    assert max(call[1] for call in calls if call[0] == "decode") >= 2  # C decoded beside A
+
+
+def test_the_prefill_chunk_is_checked():
+    from kvcompress.serve.scheduler import check_prefill_chunk
+
+    assert check_prefill_chunk(1) == 1
+    for bad in (0, -5, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"^--prefill-chunk: must be an integer >= 1"):
+            check_prefill_chunk(bad)
+
+
+@pytest.mark.slow
+def test_a_server_prefills_a_long_one_part_message_in_chunks_beside_a_stream(embedded_dir, tmp_path):
+    """A real server, ``--prefill-chunk 64``: a one-part chat message of ~300 tokens (all question under
+    ``--chat-context parts``) sent while another answer streams is prefilled in 5 chunks (the server's log), and
+    both get the answers a server without chunks (``--prefill-chunk 100000``) gives them alone."""
+    import concurrent.futures
+
+    from tests.test_serve import client, contexts
+
+    doc = contexts(1, tokens=300)[0]
+    messages = [{"role": "user", "content": doc + "\n\nWhat is this text about? Answer briefly."}]
+    story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+    def ask(base, chat, max_tokens):
+        reply = client(base).chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
+                                                     max_tokens=max_tokens)
+        return reply.choices[0].message.content
+
+    answers = {}
+    for chunk in (64, 100000):
+        log_path = tmp_path / f"server_{chunk}.log"
+        with running_server(["--method", "compresskv_paper", "--prefill-chunk", str(chunk), "--log-level", "info"],
+                            log_path) as base:
+            if chunk == 64:
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    streaming = pool.submit(ask, base, story, 48)
+                    long = pool.submit(ask, base, messages, 12)
+                    answers[chunk] = (streaming.result(), long.result())
+            else:
+                answers[chunk] = (ask(base, story, 48), ask(base, messages, 12))
+        prefills = [(int(n), int(k)) for n, k in re.findall(r"question prefill: (\d+) tokens in [\d.]+ s \((\d+) "
+                                                              r"chunks?\)", log_path.read_text())]
+        long_tokens, chunks = max(prefills)
+        assert long_tokens > 256 and chunks == -(-long_tokens // chunk)
+        assert all(k == 1 for n, k in prefills if n <= chunk)
+    assert answers[64] == answers[100000]
