@@ -153,7 +153,8 @@ def test_a_server_batch_with_a_retrieval_layer_answers_each_request_as_alone(pip
     layer 18 more than the others."""
     import threading
 
-    from kvcompress.serve.engine import Engine, Job
+    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.jobs import Job
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.protocol import Message, chat_split
     from kvcompress.serve.store import ContextStore

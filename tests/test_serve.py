@@ -203,7 +203,7 @@ def test_logprobs_are_the_models_own_over_the_compressed_context(pipe):
     """Each reported token's log probability and its alternatives' equal a teacher-forced reading of the answer
     over the same stored compressed cache (float64 log-softmax of float32 logits: to 1e-4); the tokens' texts
     join to the answer, their offsets are where each starts, and a stop string keeps the token it cuts."""
-    from kvcompress.serve.engine import Job
+    from kvcompress.serve.jobs import Job
     from kvcompress.serve.store import answer_view
 
     model, tokenizer = pipe.model, pipe.tokenizer
@@ -761,7 +761,7 @@ def test_logprobs_requests_map_to_how_many_alternatives_per_token():
 def test_penalties_and_logit_bias_shape_the_logits_as_openai_defines_them():
     """Greedy choice = argmax of logits + bias - frequency_penalty x count - presence_penalty x [count > 0] over the
     answer's tokens so far (float64), for random logits and answers; the logits handed in are not changed."""
-    from kvcompress.serve.engine import Job
+    from kvcompress.serve.jobs import Job
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(50):
@@ -831,7 +831,8 @@ def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(
     """In process: answers never change the stored compressed cache; a press that cannot compress a short context
     (kvpress's SnapKV asserts the context is longer than its window) leaves it uncompressed instead of failing."""
     from kvcompress.registry import make_press
-    from kvcompress.serve.engine import Engine, Job
+    from kvcompress.serve.engine import Engine
+    from kvcompress.serve.jobs import Job
     from kvcompress.serve.metrics import ServerMetrics
 
     model, tokenizer = pipe.model, pipe.tokenizer

@@ -911,7 +911,7 @@ def test_admission_names_what_to_change_when_a_request_cannot_fit(step):
     capacity comes in steps of 256 rows: what fits is counted in whole steps."""
     from types import SimpleNamespace
 
-    from kvcompress.serve.engine import Job, TooLarge
+    from kvcompress.serve.jobs import Job, TooLarge
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.scheduler import Scheduler
 
@@ -945,7 +945,7 @@ def test_a_requests_choices_are_queued_all_or_none():
     for choices that would never all run)."""
     from types import SimpleNamespace
 
-    from kvcompress.serve.engine import Job, QueueFull
+    from kvcompress.serve.jobs import Job, QueueFull
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.scheduler import Scheduler
 
@@ -969,7 +969,7 @@ def test_requests_whose_clients_left_hold_no_place_in_the_queue():
     import threading
     from types import SimpleNamespace
 
-    from kvcompress.serve.engine import Job, QueueFull
+    from kvcompress.serve.jobs import Job, QueueFull
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.scheduler import Scheduler
 
@@ -1026,7 +1026,7 @@ def test_a_stored_context_reserves_its_own_rows_in_each_layer():
     one estimate for every layer."""
     from types import SimpleNamespace
 
-    from kvcompress.serve.engine import Job
+    from kvcompress.serve.jobs import Job
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.scheduler import Scheduler
 

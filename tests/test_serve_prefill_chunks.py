@@ -38,7 +38,7 @@ def test_a_question_fed_in_chunks_gives_the_one_shot_logits_and_rows(family):
     sliding-window layers of 16 tokens, which a chunk crosses."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.engine import Job
+    from kvcompress.serve.jobs import Job
 
     overrides = {"sliding_window": 16} if family == "gemma3" else {}
     model = tiny_model(family, dtype=torch.float64, seed=3, **overrides)
@@ -81,7 +81,7 @@ def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
     From the engine's calls, in order: every later chunk of an opening request comes after a decode step of A's
     batch; C (one chunk) opens while B is in its chunks and joins the batch; D, which needs chunks too, waits until
     B's last chunk; E stops after its second chunk and is counted cancelled; every other answer runs to its end."""
-    from kvcompress.serve.engine import Job
+    from kvcompress.serve.jobs import Job
 
     model = tiny_model("llama", seed=5)
     engine = _engine(model, None, prefill_chunk=8)

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kvcompress.serve.engine import Engine, Job, QueueFull, TokenLogprob, TooLarge
+from kvcompress.serve.engine import Engine
+from kvcompress.serve.jobs import Job, QueueFull, TokenLogprob, TooLarge
 from kvcompress.serve.protocol import (
     ApiError,
     ChatRequest,

@@ -51,7 +51,7 @@ from collections import deque
 import torch
 
 from kvcompress.serve.batch import DecodeBatch, batch_bytes
-from kvcompress.serve.engine import Job, Opening, QueueFull, Session, TooLarge
+from kvcompress.serve.jobs import Job, Opening, QueueFull, Session, TooLarge
 
 log = logging.getLogger("kvcompress.serve")
 DECODE_PER_PREFILL = 0.0  # --decode-per-prefill's default (see the module docstring)
