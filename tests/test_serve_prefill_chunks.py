@@ -1,6 +1,7 @@
 """The server's question prefill in chunks (``--prefill-chunk``): a chunked question gives the one-shot prefill's
-first-token logits and cache rows, and the scheduler runs one chunk between two decode steps, one request opening
-in chunks at a time, shorter questions passing it, a cancelled one dropped between chunks. Tiny random models and
+first-token logits and cache rows, and the scheduler runs one chunk between two decode steps (and at most a chunk's
+worth of new questions), one request opening in chunks at a time, shorter questions passing it, a cancelled one
+dropped between chunks. Tiny random models and
 an engine in this process (fast); the real server with the embedded model (slow)."""
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def test_a_question_fed_in_chunks_gives_the_one_shot_logits_and_rows(family):
 @torch.no_grad()
 def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
     """Submitted together, on a worker with 8-token chunks: A (a context, a 2-token question, 40 tokens to answer)
-    decodes while B (a 40-token question), C (5 tokens), D (20) and E (40, its client gone after 2 chunks) open.
-    From the engine's calls, in order: every later chunk of an opening request comes after a decode step of A's
-    batch; C (one chunk) opens while B is in its chunks and joins the batch; D, which needs chunks too, waits until
-    B's last chunk; E stops after its second chunk and is counted cancelled; every other answer runs to its end."""
+    decodes while B (a 40-token question), C (5 tokens), D (20), E (40, its client gone after 2 chunks) and F (3)
+    open. From the engine's calls, in order: between two decode steps at most one chunk of a long question and 8
+    tokens of new questions are prefilled; every later chunk of a long question comes after a decode step; one long
+    question opens at a time, in arrival order; F (short) opens while B is in its chunks; E stops after its second
+    chunk and is counted cancelled; every other answer runs to its end."""
     from kvcompress.serve.jobs import Job
 
     model = tiny_model("llama", seed=5)
@@ -88,16 +90,18 @@ def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
     g = torch.Generator().manual_seed(2)
     ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
     jobs = {name: Job(context, ids(n), max_tokens=tokens, temperature=0, rid=name)
-            for name, context, n, tokens in (("A", ids(64), 2, 40), ("B", [], 40, 3), ("C", [], 5, 3),
-                                             ("D", [], 20, 2), ("E", [], 40, 5))}  # fmt: skip
+            for name, context, n, tokens in (("A", ids(64), 2, 40), ("B", [], 40, 3), ("C", [], 5, 10),
+                                             ("D", [], 20, 2), ("E", [], 40, 5), ("F", [], 3, 3))}  # fmt: skip
     calls, closed, done = [], {}, threading.Event()
     feed, decode, close = engine.feed, engine.decode, engine.close
 
     def fed(opening, tokens=None):
-        calls.append(("feed", opening.job.rid, opening.fed))
-        if opening.job.rid == "E" and opening.fed == 8:
+        start = opening.fed
+        if opening.job.rid == "E" and start == 8:
             opening.job.cancelled.set()  # its client leaves during its second chunk
-        return feed(opening, tokens)
+        session = feed(opening, tokens)
+        calls.append(("feed", opening.job.rid, start, opening.fed))
+        return session
 
     def decoded(batch, tokens, positions):
         calls.append(("decode", len(tokens)))
@@ -106,7 +110,7 @@ def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
     def closed_one(session, batch=1):
         closed[session.job.rid] = len(session.ids)
         close(session, batch)
-        if len(closed) == 4:
+        if len(closed) == 5:
             done.set()
 
     engine.feed, engine.decode, engine.close = fed, decoded, closed_one
@@ -115,17 +119,25 @@ def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
         assert done.wait(120), calls
     finally:
         engine.shutdown()
-    assert closed == {"A": 40, "B": 3, "C": 3, "D": 2}
+    assert closed == {"A": 40, "B": 3, "C": 10, "D": 2, "F": 3}
     assert engine.metrics.cancelled._value.get() == 1
     feeds = {name: [i for i, call in enumerate(calls) if call[:2] == ("feed", name)] for name in jobs}
-    assert [len(feeds[name]) for name in "ABCDE"] == [1, 5, 1, 3, 2]
-    assert [calls[i][2] for i in feeds["B"]] == [0, 8, 16, 24, 32]  # where each chunk starts
+    assert [len(feeds[name]) for name in "ABCDEF"] == [1, 5, 1, 3, 2, 1]
+    assert [calls[i][2:] for i in feeds["B"]] == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
+    rounds, fed_tokens = [], 0  # question tokens fed between two decode steps
+    for call in calls:
+        if call[0] == "decode":
+            rounds.append(fed_tokens)
+            fed_tokens = 0
+        else:
+            fed_tokens += call[3] - call[2]
+    assert max(rounds) <= 16 and rounds[0] == 7  # the first round: A's 2 and C's 5; B waits for a whole round
     for name in "BDE":
         for before, after in zip(feeds[name], feeds[name][1:], strict=False):
             assert any(call[0] == "decode" for call in calls[before:after]), (name, calls)
-    assert feeds["C"][0] < feeds["B"][1]  # C passed B
-    assert feeds["D"][0] > feeds["B"][-1] and feeds["E"][0] > feeds["D"][-1]  # one opening at a time, in order
-    assert max(call[1] for call in calls if call[0] == "decode") >= 2  # C decoded beside A
+    assert feeds["B"][0] < feeds["F"][0] < feeds["B"][-1]  # F passed B
+    assert feeds["D"][0] > feeds["B"][-1] and feeds["E"][0] > feeds["D"][-1]  # one long question at a time, in order
+    assert max(call[1] for call in calls if call[0] == "decode") >= 3  # C and F decoded beside A
 
 
 def test_the_prefill_chunk_is_checked():

@@ -4,11 +4,14 @@ Between two steps the scheduler retires finished or cancelled sessions and admit
 order: a request's context is taken from the store or prefilled and compressed, its question is prefilled
 (batch 1) and its first token streamed; then it joins the decode batch (:mod:`kvcompress.serve.batch`).
 
-Question prefill in chunks (``--prefill-chunk`` C tokens): a question longer than C tokens is prefilled C tokens at
-a time, one chunk between two decode steps, so the sessions decoding meanwhile keep streaming (a one-part chat
-message is all question under ``--chat-context parts``: a pasted document of thousands of tokens would otherwise
-stall every stream for its whole prefill). One request at a time opens in chunks; a request whose question fits
-one chunk is not held back by it. Why chunks run between decode steps, not inside them: the decode step keeps
+Question prefill in chunks (``--prefill-chunk`` C tokens): between two decode steps the worker prefills at most
+one chunk of C tokens of a long question and C tokens of new questions, so the sessions decoding meanwhile keep
+streaming (a one-part chat message is all question under ``--chat-context parts``: a pasted document of thousands
+of tokens would otherwise stall every stream for its whole prefill, and several such requests admitted together
+for all of theirs). A question longer than C tokens is prefilled C tokens at a time, one chunk between two steps,
+one such request at a time; it starts in a round that has fed no new question yet. Shorter questions are prefilled
+whole, up to C tokens of them a round, and pass the request opening in chunks (a follow-up waits one step, not
+the whole long question). Why chunks run between decode steps, not inside them: the decode step keeps
 one token per row, the fixed shape a static cache and one CUDA graph per batch-size bucket need. Chunking costs
 little: each chunk re-reads the rows before it, a question's prefill is the same attention split in C-token
 pieces (its logits equal the one-shot prefill's to rounding). A context's prefill and compression is not chunked:
@@ -255,11 +258,12 @@ class Scheduler:
             session.job.emit("error", f"generation failed: {type(err).__name__}: {first}")
         self.active, self.batch = [], None
 
-    def _next_job(self, joining: list[Session]) -> Job | None:
+    def _next_job(self, joining: list[Session], budget: int) -> Job | None:
         """The waiting request to open now, or None. Arrival order, except that while the prefill budget holds
         context prefills back, a request whose context is stored (a follow-up: only its question to prefill)
-        passes the contexts waiting for their prefill; while a request opens in chunks, a question that needs chunks
-        waits, and shorter ones pass it. Nothing passes a request that waits for memory, so no
+        passes the contexts waiting for their prefill; a question longer than what is left of this round's new
+        question tokens (``budget``) waits, unless the round has fed none and no request opens in chunks (it then
+        opens in chunks), and shorter ones pass it. Nothing passes a request that waits for memory, so no
         request starves."""
         cold_ok = self._may_prefill(joining)
         with self._cond:
@@ -268,8 +272,8 @@ class Scheduler:
         for job in jobs:
             if job.cancelled.is_set():
                 continue
-            if self._opening is not None and len(job.question_ids) > self.prefill_chunk:
-                continue  # one request opens in chunks at a time; shorter questions pass it
+            if len(job.question_ids) > budget and (self._opening is not None or budget < self.prefill_chunk):
+                continue  # not this round (``budget`` question tokens left of it); shorter questions pass it
             if cold_ok or self.engine.is_stored(job.context_ids) or not job.context_ids:
                 return job
             if not self._fits(joining, self._estimate(job, peek=True)[0], 0, None, evict=False):
@@ -287,6 +291,7 @@ class Scheduler:
         that fit join the batch (each request's context prefilled or taken from the store, its question prefilled,
         or its first chunk only when it needs several)."""
         joining: list[Session] = []
+        budget = self.prefill_chunk  # new questions' tokens this round may prefill, beside the opening's chunk
         if self._opening is not None:
             self._feed_opening(joining)
         while True:
@@ -296,7 +301,7 @@ class Scheduler:
                     break
                 joining.append(self._ready.popleft())
                 continue
-            job = self._next_job(joining)
+            job = self._next_job(joining, budget)
             if job is None:
                 break
             need, new_bytes, key = self._estimate(job)
@@ -318,6 +323,7 @@ class Scheduler:
             except Exception as err:  # noqa: BLE001
                 self._failed(job, err)
                 continue
+            budget -= opening.fed
             if session is None:  # the rest of its question in chunks, one between two decode steps
                 opening.need = need
                 self._opening = opening
