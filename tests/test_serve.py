@@ -93,6 +93,7 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--decode-per-prefill", "-0.5"], "--decode-per-prefill"),
         (["--decode-per-prefill", "nan"], "--decode-per-prefill"),
         (["--decode-per-prefill", "2e6"], "--decode-per-prefill"),
+        (["--prefill-chunk", "0"], "--prefill-chunk: must be an integer >= 1"),
         (["--press-option", "window_size=-3"], "window_size"),
         (["--press-option", "snapkv.window_size=8"], "--press-option"),
         (["--press-option", "no_such_field=1"], "--press-option"),
