@@ -153,7 +153,8 @@ def test_the_prefill_chunk_is_checked():
 def test_a_server_prefills_a_long_one_part_message_in_chunks_beside_a_stream(embedded_dir, tmp_path):
     """A real server, ``--prefill-chunk 64``: a one-part chat message of ~300 tokens (all question under
     ``--chat-context parts``) sent while another answer streams is prefilled in 5 chunks (the server's log), and
-    both get the answers a server without chunks (``--prefill-chunk 100000``) gives them alone."""
+    both get the answers a server without chunks (``--prefill-chunk 100000``) gives them alone. Two one-part messages
+    of over 1024 tokens: the log says once that such a message is not compressed, and how to have it compressed."""
     import concurrent.futures
 
     from tests.test_serve import client, contexts
@@ -179,6 +180,11 @@ def test_a_server_prefills_a_long_one_part_message_in_chunks_beside_a_stream(emb
                     answers[chunk] = (streaming.result(), long.result())
             else:
                 answers[chunk] = (ask(base, story, 48), ask(base, messages, 12))
+            if chunk == 64:  # a one-part message of 1024+ tokens: the server says once how to get it compressed
+                long_doc = " ".join(contexts(4, tokens=300))
+                for _ in range(2):
+                    ask(base, [{"role": "user", "content": long_doc + "\n\nWhat is this about?"}], 1)
+                assert log_path.read_text().count("is all question under --chat-context parts") == 1
         prefills = [(int(n), int(k)) for n, k in re.findall(r"question prefill: (\d+) tokens in [\d.]+ s \((\d+) "
                                                               r"chunks?\)", log_path.read_text())]
         long_tokens, chunks = max(prefills)

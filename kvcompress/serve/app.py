@@ -29,6 +29,7 @@ from kvcompress.serve.protocol import (
 )
 
 log = logging.getLogger("kvcompress.serve")
+LONG_QUESTION = 1024  # question tokens from which a one-part chat message gets the --chat-context hint
 
 
 def create_app(engine: Engine, served_model: str, api_key: str | None = None, chat_context: str = "parts") -> FastAPI:
@@ -39,6 +40,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
     body_limit = max_body_bytes(engine.max_length)
     metrics = engine.metrics
     created = int(time.time())
+    hint_given = threading.Event()  # the one-part-message hint is logged once
 
     app.add_middleware(CountRequests, metrics=metrics)
 
@@ -243,6 +245,14 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None, ch
         req = await read(request, ChatRequest)
         context_ids, question_ids = await asyncio.to_thread(tokenized, chat_split, engine.tokenizer, req.messages,
                                                             chat_context)  # fmt: skip
+        if chat_context == "parts" and not hint_given.is_set() and len(question_ids) >= LONG_QUESTION:
+            last = req.messages[-1].content
+            if isinstance(last, str) or len(last) == 1:  # a one-part message: a pasted document is not compressed
+                hint_given.set()
+                log.warning("a one-part chat message of %d tokens is all question under --chat-context parts: "
+                            "prefilled and kept whole, never compressed; send the document as its own text part "
+                            "before the question, or start the server with --chat-context blank-line (said once)",
+                            len(question_ids))
         return await respond(request, req, make_jobs(req, context_ids, question_ids, "messages"), "chat")
 
     def completion_ids(prompt: str) -> tuple[list[int], list[int]]:
