@@ -140,6 +140,51 @@ def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
     assert max(call[1] for call in calls if call[0] == "decode") >= 3  # C and F decoded beside A
 
 
+@pytest.mark.parametrize("chunk", [8, 512])
+@torch.no_grad()
+def test_a_requests_choices_share_one_question_prefill(chunk):
+    """A request's 3 choices (``n`` = 3: one events queue, seeds 5, 6, 7, temperature 1), a 64-token context and a
+    20-token question: only choice 0's question is prefilled (in 3 chunks of 8, or whole); choices 1 and 2 take its
+    rows and logits when its last chunk ran, and each samples its own first token. Whole (the logits a lone request
+    gets, bit for bit), each choice's first token is the one the same request alone with its seed gets."""
+    from kvcompress.serve.jobs import Job
+
+    model = tiny_model("llama", seed=7)
+    engine = _engine(model, None, prefill_chunk=chunk)
+    g = torch.Generator().manual_seed(4)
+    context, question = torch.randint(0, 256, (64,), generator=g).tolist(), torch.randint(0, 256, (20,),
+                                                                                             generator=g).tolist()
+    request = object()  # what the choices of one request share: their events queue
+    choices = [Job(context, question, max_tokens=4, temperature=1.0, seed=5 + i, index=i, events=request, rid="r")
+               for i in range(3)]
+    fed, closed, done = [], {}, threading.Event()
+    feed, close = engine.feed, engine.close
+
+    def feeding(opening, tokens=None):
+        fed.append(opening.job.index)
+        return feed(opening, tokens)
+
+    def closing(session, batch=1):
+        closed.setdefault(session.job.index, []).append(list(session.ids))
+        close(session, batch)
+        if len(closed) == 3:
+            done.set()
+
+    engine.feed, engine.close = feeding, closing
+    try:
+        engine.submit(choices)
+        assert done.wait(120)
+        assert fed == [0] * -(-20 // chunk)  # choice 0's chunks only
+        assert engine.metrics.prompt_tokens._value.get() == 3 * 84
+        if chunk == 512:
+            for i in range(3):
+                engine.run_alone(Job(context, question, max_tokens=4, temperature=1.0, seed=5 + i, index=i))
+            assert all(closed[i][0][0] == closed[i][1][0] for i in range(3)), closed
+        assert len({tuple(closed[i][0]) for i in range(3)}) > 1  # each choice samples with its own seed
+    finally:
+        engine.shutdown()
+
+
 def test_the_prefill_chunk_is_checked():
     from kvcompress.serve.scheduler import check_prefill_chunk
 

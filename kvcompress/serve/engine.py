@@ -147,11 +147,7 @@ class Engine:
         context = self.context_cache(job.context_ids, job.rid)
         self.metrics.set_store(self.store.stats())
         self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
-        generator = None
-        if job.temperature > 0:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(job.seed if job.seed is not None else int(torch.seed() % 2**63))
-        return Opening(job, answer_view(context) if job.context_ids else context, generator, started)
+        return Opening(job, answer_view(context) if job.context_ids else context, _generator(job), started)
 
     def feed(self, opening: Opening, tokens: int | None = None) -> Session | None:
         """Prefill the next ``tokens`` question tokens of ``opening`` (all that are left when None), at their
@@ -173,14 +169,29 @@ class Engine:
         if end < n_q:
             return None
         self.metrics.question_seconds.observe(opening.seconds)
-        session = Session(job, n_ctx + n_q, StopText(job.stop), opening.generator, started=opening.started,
-                          first_at=now, last_at=now)
-        self.metrics.ttft_seconds.observe(now - job.submitted)
         log.info("request %s question prefill: %d tokens in %.2f s (%d chunk%s); first token %.2f s after arrival "
                  "(queued %.2f s)", job.rid, n_q, opening.seconds, opening.chunks, "" if opening.chunks == 1 else "s",
                  now - job.submitted, opening.started - job.submitted)
-        logits = out.logits[0, -1]
-        if not self.advance(session, job.choose(logits, [], opening.generator), logits):
+        opening.logits = out.logits[0, -1]
+        return self._first_token(opening, job, opening.generator, opening.started)
+
+    def fork(self, opening: Opening, job: Job) -> Session:
+        """Another choice of the request ``opening`` answers (the same context and question; its own seed and index),
+        from the rows and first-token logits of that opening, once its question is prefilled: no prefill of its own
+        (its rows are copied when it joins the decode batch). Sampled as :meth:`feed` samples."""
+        self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
+        log.info("request %s choice %d takes choice %d's question prefill", job.rid, job.index, opening.job.index)
+        return self._first_token(opening, job, _generator(job), time.perf_counter())
+
+    def _first_token(self, opening: Opening, job: Job, generator: torch.Generator | None, started: float) -> Session:
+        """``job``'s session after ``opening``'s question: its first token sampled from the opening's last logits and
+        streamed; ``rows`` (views of the opening's cache) unless that token ended it."""
+        now = time.perf_counter()
+        session = Session(job, len(job.context_ids) + len(job.question_ids), StopText(job.stop), generator,
+                          started=started, first_at=now, last_at=now)
+        self.metrics.ttft_seconds.observe(now - job.submitted)
+        logits = opening.logits
+        if not self.advance(session, job.choose(logits, [], generator), logits):
             session.rows = session_rows(opening.cache)
             session.need = tuple(r.keys.shape[-2] + job.max_tokens - len(session.ids) for r in session.rows)
         return session
@@ -310,3 +321,12 @@ class Engine:
             count += 1
         new, session.reported = session.logprobs[session.reported:count], count
         return new
+
+
+def _generator(job: Job) -> torch.Generator | None:
+    """The CPU generator ``job`` samples with (seeded with its seed, else a fresh one); None when it is greedy."""
+    if job.temperature <= 0:
+        return None
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(job.seed if job.seed is not None else int(torch.seed() % 2**63))
+    return generator

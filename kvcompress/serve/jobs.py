@@ -131,3 +131,4 @@ class Opening:
     fed: int = 0  # question tokens prefilled so far
     chunks: int = 0
     seconds: float = 0.0  # question prefill time so far
+    logits: torch.Tensor | None = None  # [vocab] after the last chunk: the first token's (its other choices share it)

@@ -34,13 +34,9 @@ follow-ups in sooner, at the cost of new contexts' time to first token and of sm
 prefills dominate and answers must finish early (2048-token contexts of ~35-s prefills, no new question after
 120 s: R = 1 gave 1.4x the aggregate tokens/s of R = 0, whose answers all waited for every context's prefill).
 
-Memory: one budget (``--cache-memory``) for everything resident: the stored contexts plus the decode batch. A
-session reserves its whole answer when it joins (rows of its context and question + ``max_tokens``), in each layer
-padded to the longest session of the batch there (each layer of the batch is rectangular), so a step never needs
-memory it does not hold. Before its prefill, a request's rows are estimated from the press's kept fraction, the
-same in every layer; its session's own rows are checked again when it joins.
-Admission evicts least recently used stored contexts, never an active session; a request that does not fit waits
-in the queue (first come, first served); a full queue answers 429 with ``Retry-After``.
+A request's ``n`` choices share one question prefill: when the first choice's question has run, the others still
+waiting take its rows and first-token logits and sample their own first tokens. Memory (what a session reserves,
+what fits, what is evicted): :mod:`kvcompress.serve.memory`.
 """
 
 from __future__ import annotations
@@ -53,8 +49,9 @@ from collections import deque
 
 import torch
 
-from kvcompress.serve.batch import DecodeBatch, batch_bytes
-from kvcompress.serve.jobs import Job, Opening, QueueFull, Session, TooLarge
+from kvcompress.serve.batch import DecodeBatch
+from kvcompress.serve.jobs import Job, Opening, QueueFull, Session
+from kvcompress.serve.memory import MemoryBudget
 
 log = logging.getLogger("kvcompress.serve")
 DECODE_PER_PREFILL = 0.0  # --decode-per-prefill's default (see the module docstring)
@@ -76,7 +73,7 @@ def check_prefill_chunk(value: int) -> int:
     return value
 
 
-class Scheduler:
+class Scheduler(MemoryBudget):
     """Owns the decode batch and the waiting queue of an :class:`~kvcompress.serve.engine.Engine`."""
 
     def __init__(self, engine, *, max_batch: int, max_batch_tokens: int, memory: int, max_queue: int,
@@ -124,28 +121,6 @@ class Scheduler:
                      "decoding)", job.rid, len(job.context_ids), len(job.question_ids), job.max_tokens, waiting,
                      len(self.active))
 
-    def _check_size(self, job: Job) -> None:
-        """``TooLarge`` unless ``job`` fits the memory budget with nothing else resident (a job without a
-        ``max_tokens`` of its own is lowered to what fits)."""
-        need, context_bytes, _ = self._estimate(job, peek=True)
-        alone = max(context_bytes, self._batch_bytes(1, self._capacity([], need)))  # the stored copy may be dropped
-        if alone > self.memory and job.flexible_max and need:  # no max_tokens given: as many as the budget holds
-            room = (self.memory - self.engine.batch_session_bytes) // self.engine.batch_row_bytes
-            room -= room % self.engine.capacity_step  # a compiled server's batch holds whole steps of rows
-            job.max_tokens = max(1, min(job.max_tokens, room - (max(need) - job.max_tokens)))  # 1: no batch rows
-            need, _, _ = self._estimate(job, peek=True)
-            alone = max(context_bytes, self._batch_bytes(1, self._capacity([], need)))
-        if context_bytes > self.memory:  # whatever max_tokens: the compressed context alone is too large
-            raise TooLarge(
-                f"the prompt's context needs about {context_bytes / 2**20:.1f} MiB resident once compressed, more "
-                f"than the server's memory budget of {self.memory / 2**20:.1f} MiB (--cache-memory); send a "
-                "shorter context", "prompt")
-        if alone > self.memory:
-            raise TooLarge(
-                f"max_tokens: this request needs about {alone / 2**20:.1f} MiB resident (its context's cache and "
-                f"room for {job.max_tokens} tokens), more than the server's memory budget of "
-                f"{self.memory / 2**20:.1f} MiB (--cache-memory); ask for fewer tokens")
-
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -153,66 +128,6 @@ class Scheduler:
         self._thread.join(timeout=5)
 
     # -- accounting --------------------------------------------------------------------------------------
-    def _batch_bytes(self, sessions: int, capacities: tuple[int, ...]) -> int:
-        e = self.engine
-        return batch_bytes(sessions, capacities, e.batch_row_bytes, e.batch_session_bytes)
-
-    def _estimate(self, job: Job, peek: bool = False) -> tuple[tuple[int, ...], int, tuple | None]:
-        """(batch rows the session will reserve, per layer or one value for every layer, () for none; bytes its
-        context adds to the store; the key of the stored entry it will use). A stored context's rows are known, layer
-        by layer (a press that keeps some layers wider or whole holds fewer rows in the others); a new one is
-        estimated from the press's kept fraction, one value for every layer, and checked again after its prefill."""
-        e = self.engine
-        entry = None if peek else e.stored(job.context_ids)
-        key = None
-        if entry is not None:
-            rows, new_bytes, key = tuple(layer.keys.shape[-2] for layer in entry.cache.layers), 0, entry.key
-        else:
-            rows = (math.ceil(len(job.context_ids) * e.kept_fraction),)
-            new_bytes = rows[0] * e.context_row_bytes
-            if not peek and job.context_ids:  # a stored earlier turn of this chat is used, not evicted
-                min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))
-                prefix = e.store.longest_prefix(tuple(job.context_ids), e.model_name, e.press_label, min_tokens)
-                key = prefix.key if prefix is not None else None
-        need = () if job.max_tokens <= 1 else tuple(r + len(job.question_ids) + job.max_tokens - 1 for r in rows)
-        return need, new_bytes, key
-
-    def _capacity(self, sessions: list[Session | Opening], need: tuple[int, ...] = ()) -> tuple[int, ...]:
-        """Per layer, the capacity a batch of ``sessions`` (and a session reserving ``need``) gets: the most rows a
-        session reserves in that layer, rounded up when steps are compiled. A one-value ``need`` (an estimate)
-        stands for every layer."""
-        needs = [s.need for s in sessions if s.need] + ([need] if need else [])
-        layers = max((len(n) for n in needs), default=0)
-        widest = [max(n[i] if len(n) > 1 else n[0] for n in needs) for i in range(layers)]
-        return tuple(self.engine.batch_capacity(rows) for rows in widest)
-
-    def _fits(self, joining: list[Session], need: tuple[int, ...], new_bytes: int, keep, evict: bool = True) -> bool:
-        """Whether a session reserving ``need`` batch rows (per layer) fits beside the active and joining sessions.
-        When it does, stored contexts are evicted (least recently used first, ``keep`` last) so the batch, the stored
-        contexts and ``new_bytes`` of a context about to be stored stay within the budget; a context that then
-        does not fit is served but not stored. Active sessions are never touched; a request opening in chunks counts
-        as one of them (it holds its reservation until it joins)."""
-        holding = self.active + joining + ([self._opening] if self._opening is not None else [])
-        sessions = len(holding)
-        capacity = self._capacity(holding, need)
-        if need:
-            if sessions >= self.max_batch:
-                return False
-            if sessions and (sessions + 1) * max(capacity) > self.max_batch_tokens:
-                return False
-            sessions += 1
-        batch = self._batch_bytes(sessions, capacity)
-        if batch > self.memory and sessions > 1:
-            return False
-        if not evict:
-            return True
-        store = self.engine.store
-        room = max(self.memory - batch, 0)
-        if store.evict_to(max(room - new_bytes, 0), keep) > room:
-            store.evict_to(room)  # even the context this request uses: the request holds it until it joins
-        store.capacity = room
-        return True
-
     def _publish(self) -> None:
         stats = self.engine.store.stats()
         self.metrics.set_store(stats)
@@ -329,6 +244,7 @@ class Scheduler:
                 self._opening = opening
                 continue
             self._place(session, joining)
+            self._fork_choices(opening, joining)
         if joining:
             keep = list(range(len(self.active)))
             capacity = self._capacity(self.active + joining)
@@ -355,6 +271,27 @@ class Scheduler:
         if session is None:
             self._opening = opening
         else:
+            self._place(session, joining)
+            self._fork_choices(opening, joining)
+
+    def _fork_choices(self, opening: Opening, joining: list[Session]) -> None:
+        """The request's other choices still waiting (``n`` > 1: the same context and question) take ``opening``'s
+        question prefill and first-token logits, each sampling its own first token: a request's question is
+        prefilled once, not once per choice."""
+        job = opening.job
+        with self._cond:
+            choices = [other for other in self._waiting if other is not job and job.events is not None
+                       and other.events is job.events and not other.cancelled.is_set()
+                       and other.context_ids == job.context_ids and other.question_ids == job.question_ids]
+            if choices:  # by identity (a Job's == compares its token lists)
+                self._waiting = deque(w for w in self._waiting if not any(w is other for other in choices))
+        for other in choices:
+            self.metrics.queue_seconds.observe(time.perf_counter() - other.submitted)
+            try:
+                session = self.engine.fork(opening, other)
+            except Exception as err:  # noqa: BLE001
+                self._failed(other, err)
+                continue
             self._place(session, joining)
 
     def _place(self, session: Session, joining: list[Session]) -> None:
