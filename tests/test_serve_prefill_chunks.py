@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,14 +18,14 @@ from tests.serve_helpers import running_server
 from tests.tiny_models import tiny_model
 
 
-def _engine(model, press, prefill_chunk=512):
+def _engine(model, press, prefill_chunk=512, **options):
     from kvcompress.serve.engine import Engine
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.store import ContextStore
 
     tokenizer = SimpleNamespace(eos_token_id=None, decode=lambda ids, skip_special_tokens=True: " x" * len(ids))
     engine = Engine(model, tokenizer, model_name="m", press=press, press_label="p", store=ContextStore(10**9),
-                    metrics=ServerMetrics(), compile_decode="off", prefill_chunk=prefill_chunk)
+                    metrics=ServerMetrics(), compile_decode="off", prefill_chunk=prefill_chunk, **options)
     engine.eos_ids = set()  # random weights: every answer runs to its max_tokens
     assert engine.ready.wait(60)  # the worker's warm-up is over (nothing to compile)
     return engine
@@ -183,6 +184,88 @@ def test_a_requests_choices_share_one_question_prefill(chunk):
         assert len({tuple(closed[i][0]) for i in range(3)}) > 1  # each choice samples with its own seed
     finally:
         engine.shutdown()
+
+
+class _Sink:
+    """A request's event queue and loop in one (what ``Job.emit`` calls): records ``(index, kind, ...)``."""
+
+    def __init__(self):
+        self.events, self._lock = [], threading.Lock()
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+    def put_nowait(self, event):
+        with self._lock:
+            self.events.append(event)
+
+    def ends(self, index: int) -> list[tuple]:
+        with self._lock:
+            return [e for e in self.events if e[0] == index and e[1] in ("done", "error")]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@torch.no_grad()
+def test_random_requests_choices_and_cancellations_all_end_within_the_memory_budget(seed):
+    """A random load on a worker with 8-token chunks, 3 sessions a step and a budget of about 3 sessions: 14
+    requests in three waves, questions of 1-40 tokens over no context or one of 3 shared ones, 1-3 choices, greedy
+    or sampled, 1-12 tokens, 3 of them cancelled at random moments. Every choice not cancelled ends once, with
+    ``done`` and at most its ``max_tokens``; a cancelled one ends at most once; the worker ends idle (nothing
+    waiting, opening or decoding); at every decode step the batch and the stored contexts fit the budget."""
+    import random
+
+    from kvcompress.serve.jobs import Job
+
+    rng = random.Random(seed)
+    model = tiny_model("llama", seed=seed)
+    row = 2 * 2 * (2 * 16 * 4 + 4)  # a batch row's bytes: 2 layers, 2 KV heads, K and V of 16 float32, a weight
+    engine = _engine(model, None, prefill_chunk=8, max_batch=3, memory=330 * row)
+    scheduler = engine.scheduler
+    contexts = [[rng.randrange(256) for _ in range(rng.randint(20, 60))] for _ in range(3)]
+    requests = []
+    for r in range(14):
+        context = rng.choice([[], *contexts])
+        question = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+        sink, temperature, max_tokens = _Sink(), rng.choice([0.0, 1.0]), rng.randint(1, 12)
+        requests.append((sink, [Job(context, question, max_tokens=max_tokens, temperature=temperature, seed=r,
+                                    index=i, loop=sink, events=sink, rid=f"r{r}")
+                                for i in range(rng.randint(1, 3))]))  # fmt: skip
+    cancelled = {id(jobs[0]) for _, jobs in rng.sample(requests, 3)}
+    over_budget = []
+    decode = engine.decode
+
+    def decoded(batch, tokens, positions):
+        used = batch.nbytes() + engine.store.stats()["bytes"]
+        if used > scheduler.memory:
+            over_budget.append(used)
+        return decode(batch, tokens, positions)
+
+    engine.decode = decoded
+    try:
+        for wave in (requests[:5], requests[5:10], requests[10:]):
+            for _, jobs in wave:
+                engine.submit(jobs)
+            for _, jobs in wave:
+                if id(jobs[0]) in cancelled:
+                    threading.Timer(rng.uniform(0, 0.3), lambda jobs=jobs: [j.cancelled.set() for j in jobs]).start()
+            time.sleep(rng.uniform(0, 0.2))
+        deadline = time.time() + 120
+        while any(not sink.ends(job.index) for sink, jobs in requests for job in jobs if id(jobs[0]) not in cancelled):
+            assert time.time() < deadline, [(j.rid, j.index) for s, js in requests for j in js if not s.ends(j.index)]
+            time.sleep(0.05)
+        while scheduler._waiting or scheduler._opening is not None or scheduler.active or scheduler._ready:
+            assert time.time() < deadline, "the worker never went idle"
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
+    for sink, jobs in requests:
+        for job in jobs:
+            ends = sink.ends(job.index)
+            if id(jobs[0]) in cancelled:
+                assert len(ends) <= 1
+            else:
+                assert len(ends) == 1 and ends[0][1] == "done" and 1 <= ends[0][4] <= job.max_tokens, ends
+    assert not over_budget, over_budget
 
 
 def test_the_prefill_chunk_is_checked():
