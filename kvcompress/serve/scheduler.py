@@ -127,7 +127,7 @@ class Scheduler(MemoryBudget):
             self._cond.notify()
         self._thread.join(timeout=5)
 
-    # -- metrics and the queue--------------------------------------------------------------------------------
+    # -- metrics and the queue ---------------------------------------------------------------------------
     def _publish(self) -> None:
         stats = self.engine.store.stats()
         self.metrics.set_store(stats)
