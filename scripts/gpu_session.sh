@@ -35,9 +35,6 @@
 #                   causal offset against the shared mask it ran with before the twenty-fifth session, and the
 #                   compiled step (`--compile-decode` cudagraphs and inductor, CUDA graphs; since the twenty-sixth
 #                   session; `eval.probe_decode_batch`, DECODE_LAYERS layers)
-#   prefill_chunks  the server's worker when an 8k-token question arrives while 8 sessions of 4k decode: the longest
-#                   gap between two decode steps and the question's first token, per --prefill-chunk (0, 2048, 512,
-#                   128; `eval.probe_prefill_chunks`, DECODE_LAYERS layers; since the forty-fifth session)
 #   overlap         a 4-layer 32k prefill profiled: how much of the side streams' work (overlap_compression's)
 #                   ran while the main stream was busy too (`eval.probe_overlap`)
 #   bench_fit_known the default's fit as it runs now: its window rows' log-sum-exp and outputs handed over by the
@@ -45,6 +42,9 @@
 #   bench_fit       the fit alone per layer, both paths, with the fused path's top CUDA operators (the 5% goal),
 #                   and its two kernels alone with other tiles (`--kernel-tiles`: TFLOP/s, agreement)
 #   prefill_65536   the prefill breakdown at 64k (the default, balanced(): peak and cost where the quadratic parts grow)
+#   prefill_chunks  the server's worker when an 8k-token question arrives while 8 sessions of 4k decode: the longest
+#                   gap between two decode steps and the question's first token, per --prefill-chunk (0, 2048, 512,
+#                   128; `eval.probe_prefill_chunks`, DECODE_LAYERS layers; since the forty-fifth session)
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
 #                   37-40 ms (4 layers, the seventeenth session) are cuDNN building a plan per new key length
 #   speed_kernels   copy bandwidth, compress_kv's and the weighted decode's rooflines (`--only kernels`)
@@ -68,7 +68,7 @@ SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_nofit calibrated defaul
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default default_nofit balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
-STEPS=${STEPS:-kernel_tests prefill_32768 $decode_steps decode_batch prefill_chunks overlap bench_fit_known bench_fit prefill_65536 \
+STEPS=${STEPS:-kernel_tests prefill_32768 $decode_steps decode_batch overlap bench_fit_known bench_fit prefill_65536 prefill_chunks \
 decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
@@ -137,9 +137,6 @@ done
 step decode_batch 200 $PY -m eval.probe_decode_batch --layers "$DECODE_LAYERS" --output "$OUT/decode_batch.json"
 tail -40 "$OUT/decode_batch.log" 2>/dev/null
 
-step prefill_chunks 90 $PY -m eval.probe_prefill_chunks --layers "$DECODE_LAYERS" --output "$OUT/prefill_chunks.json"
-tail -45 "$OUT/prefill_chunks.log" 2>/dev/null
-
 step overlap 90 $PY -m eval.probe_overlap --output "$OUT/overlap.json"
 tail -16 "$OUT/overlap.log" 2>/dev/null
 
@@ -156,6 +153,9 @@ grep -A14 "TFLOP/s" "$OUT/bench_fit.log" 2>/dev/null
 step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
     --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
 grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
+
+step prefill_chunks 90 $PY -m eval.probe_prefill_chunks --layers "$DECODE_LAYERS" --output "$OUT/prefill_chunks.json"
+tail -45 "$OUT/prefill_chunks.log" 2>/dev/null
 
 step decode_nocudnn 110 $PY -m eval.speed --only decode --decode-contexts 32768 --decode-batch-sizes 1 \
     --model-layers "$DECODE_LAYERS" --no-cudnn-sdpa --output "$OUT/decode_nocudnn.json"
