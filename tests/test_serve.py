@@ -94,6 +94,7 @@ def test_answer_view_never_changes_the_stored_cache(weighted):
         (["--decode-per-prefill", "nan"], "--decode-per-prefill"),
         (["--decode-per-prefill", "2e6"], "--decode-per-prefill"),
         (["--prefill-chunk", "0"], "--prefill-chunk: must be an integer >= 1"),
+        (["--compress-min-tokens", "-1"], "--compress-min-tokens: must be an integer >= 0"),
         (["--press-option", "window_size=-3"], "window_size"),
         (["--press-option", "snapkv.window_size=8"], "--press-option"),
         (["--press-option", "no_such_field=1"], "--press-option"),
@@ -851,7 +852,7 @@ def test_engine_keeps_stored_caches_unchanged_and_survives_a_press_that_refuses(
             assert torch.equal(layer.row_weights, w)
 
         snap = Engine(model, tokenizer, model_name="m", press=make_press("snapkv", 0.75, 0), press_label="s",
-                      store=ContextStore(10**9), metrics=ServerMetrics())
+                      store=ContextStore(10**9), metrics=ServerMetrics(), compress_min_tokens=0)
         try:
             short = tokenizer.encode("A short context.")
             cache = snap.context_cache(short)

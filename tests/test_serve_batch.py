@@ -915,7 +915,7 @@ def test_admission_names_what_to_change_when_a_request_cannot_fit(step):
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.scheduler import Scheduler
 
-    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, compress_min_tokens=0, context_row_bytes=100,
                              batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None,
                              batch_capacity=lambda rows: -(-rows // step) * step, capacity_step=step)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
@@ -949,7 +949,7 @@ def test_a_requests_choices_are_queued_all_or_none():
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.scheduler import Scheduler
 
-    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, compress_min_tokens=0, context_row_bytes=100,
                              batch_row_bytes=100, batch_session_bytes=10, warm_up=lambda: None,
                              batch_capacity=lambda rows: rows, capacity_step=1)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=2)
@@ -974,7 +974,7 @@ def test_requests_whose_clients_left_hold_no_place_in_the_queue():
     from kvcompress.serve.scheduler import Scheduler
 
     started = threading.Event()
-    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=100,
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, compress_min_tokens=0, context_row_bytes=100,
                              batch_row_bytes=100, batch_session_bytes=10, warm_up=started.wait,
                              batch_capacity=lambda rows: rows, capacity_step=1)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=3)
@@ -1004,7 +1004,7 @@ def test_the_batch_capacity_is_each_layers_widest_session_an_estimate_standing_f
     from kvcompress.serve.metrics import ServerMetrics
     from kvcompress.serve.scheduler import Scheduler
 
-    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=300,
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, compress_min_tokens=0, context_row_bytes=300,
                              batch_row_bytes=300, batch_session_bytes=10, warm_up=lambda: None,
                              batch_capacity=lambda rows: rows, capacity_step=1)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
@@ -1032,8 +1032,9 @@ def test_a_stored_context_reserves_its_own_rows_in_each_layer():
 
     layers = [SimpleNamespace(keys=torch.empty(1, 2, rows, 4)) for rows in (30, 400, 30)]
     entry = SimpleNamespace(cache=SimpleNamespace(layers=layers), key="stored")
-    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, context_row_bytes=300, batch_row_bytes=300,
-                             batch_session_bytes=10, warm_up=lambda: None, batch_capacity=lambda rows: rows,
+    engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, compress_min_tokens=0,
+                             context_row_bytes=300, batch_row_bytes=300, batch_session_bytes=10,
+                             warm_up=lambda: None, batch_capacity=lambda rows: rows,
                              capacity_step=1, stored=lambda ids: entry if len(ids) == 400 else None)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
     try:

@@ -19,7 +19,7 @@ EPILOG = """example:
 def build_parser() -> argparse.ArgumentParser:
     from kvcompress.serve.protocol import CHAT_CONTEXT_MODES
     from kvcompress.serve.step import COMPILE_BACKENDS
-    from kvcompress.serve.store import TURN_REUSE
+    from kvcompress.serve.store import COMPRESS_MIN_TOKENS, TURN_REUSE
 
     p = argparse.ArgumentParser(
         prog="kvcompress serve", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the whole question (a one-part chat message, a pasted document, is all question under "
                         "--chat-context parts); smaller: smoother streams, larger: that question's first token "
                         "sooner (an integer >= 1; default 512)")
+    p.add_argument("--compress-min-tokens", type=int, default=COMPRESS_MIN_TOKENS, metavar="N",
+                   help="a context shorter than N tokens is stored whole, never compressed: a system prompt or a "
+                        "short chat history saves little memory compressed and can lose what it says (an "
+                        "instruction, a number to remember); 0 compresses every context, as kvpress's pipeline "
+                        f"does (an integer >= 0; default {COMPRESS_MIN_TOKENS})")
     p.add_argument("--compile-decode", default="auto", choices=COMPILE_BACKENDS,
                    help="compile the decode step (torch.compile, one graph for every step): inductor (on CUDA with "
                         "CUDA graphs: a step is a few launches instead of a few hundred, for the host-bound steps "
@@ -172,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         check_decode_per_prefill(args.decode_per_prefill)
         check_prefill_chunk(args.prefill_chunk)
+        if args.compress_min_tokens < 0:
+            raise ValueError(f"--compress-min-tokens: must be an integer >= 0, got {args.compress_min_tokens}")
         if not 0 < args.port < 65536:
             raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
         if args.served_model_name is not None and not args.served_model_name.strip():  # clients could not name it
@@ -235,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     store=ContextStore(capacity), metrics=metrics, max_queue=args.max_queue,
                     max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                     decode_per_prefill=args.decode_per_prefill, compile_decode=args.compile_decode,
-                    prefill_chunk=args.prefill_chunk,
+                    prefill_chunk=args.prefill_chunk, compress_min_tokens=args.compress_min_tokens,
                     prefix_min_fraction=TURN_REUSE[args.turn_reuse])
     app = create_app(engine, served, api_key=args.api_key, chat_context=args.chat_context)
     logging.getLogger("kvcompress.serve").info(

@@ -24,7 +24,7 @@ from kvcompress.serve.jobs import Job, Opening, Session, TokenLogprob
 from kvcompress.serve.metrics import ServerMetrics
 from kvcompress.serve.sampling import StopText, TokenBytes
 from kvcompress.serve.step import compiled_forward, decode_step, warm_up
-from kvcompress.serve.store import ContextStore, answer_view
+from kvcompress.serve.store import COMPRESS_MIN_TOKENS, ContextStore, answer_view
 
 log = logging.getLogger("kvcompress.serve")
 
@@ -35,7 +35,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, model_name: str, press, press_label: str, store: ContextStore,
                  metrics: ServerMetrics, max_queue: int = 64, prefix_min_fraction: float = 0.5, max_batch: int = 8,
                  max_batch_tokens: int = 131072, memory: int | None = None, decode_per_prefill: float | None = None,
-                 compile_decode: str = "auto", prefill_chunk: int | None = None):
+                 compile_decode: str = "auto", prefill_chunk: int | None = None,
+                 compress_min_tokens: int = COMPRESS_MIN_TOKENS):
         from kvcompress.serve.scheduler import DECODE_PER_PREFILL, PREFILL_CHUNK, Scheduler
 
         self.model, self.tokenizer, self.press = model, tokenizer, press
@@ -63,7 +64,10 @@ class Engine:
         self.batch_row_bytes = layers * heads * (2 * head_dim * element + 4)
         self.batch_session_bytes = layers * heads * head_dim * 4 * 2  # clip range, float32
         keep = 1.0 - float(getattr(press, "compression_ratio", 0.0) or 0.0) if press is not None else 1.0
-        self.kept_fraction = keep
+        self.kept_fraction = keep  # of a context of at least compress_min_tokens tokens; shorter ones are kept whole
+        if isinstance(compress_min_tokens, bool) or not isinstance(compress_min_tokens, int) or compress_min_tokens < 0:
+            raise ValueError(f"--compress-min-tokens: must be an integer >= 0, got {compress_min_tokens!r}")
+        self.compress_min_tokens = compress_min_tokens
         self.scheduler = Scheduler(self, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
                                    memory=store.capacity if memory is None else memory, max_queue=max_queue,
                                    decode_per_prefill=DECODE_PER_PREFILL if decode_per_prefill is None
@@ -117,7 +121,7 @@ class Engine:
             self.metrics.prefills.inc()
             cache = DynamicCache()
             ids = torch.tensor([tokens], device=device)
-            if self.press is None:
+            if self.press is None or len(tokens) < self.compress_min_tokens:  # short: kept whole
                 self.model.model(input_ids=ids, past_key_values=cache)
             else:
                 try:
@@ -129,8 +133,10 @@ class Engine:
                     self.metrics.uncompressed.inc()
                     cache = DynamicCache()
                     self.model.model(input_ids=ids, past_key_values=cache)
-            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s", rid, len(tokens),
-                     cache.get_seq_length(0), time.perf_counter() - start)
+            whole = "" if self.press is None or len(tokens) >= self.compress_min_tokens else \
+                f" (kept whole: under --compress-min-tokens {self.compress_min_tokens})"
+            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s%s", rid, len(tokens),
+                     cache.get_seq_length(0), time.perf_counter() - start, whole)
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
         self.store.put(key, cache, len(tokens))
         return cache

@@ -3,8 +3,9 @@
 One budget (``--cache-memory``) for everything resident: the stored contexts plus the decode batch. A
 session reserves its whole answer when it joins (rows of its context and question + ``max_tokens``), in each layer
 padded to the longest session of the batch there (each layer of the batch is rectangular), so a step never needs
-memory it does not hold. Before its prefill, a request's rows are estimated from the press's kept fraction, the
-same in every layer; its session's own rows are checked again when it joins.
+memory it does not hold. Before its prefill, a request's rows are estimated from the press's kept fraction (all its
+tokens for a context under ``--compress-min-tokens``, which is kept whole), the same in every layer; its session's
+own rows are checked again when it joins.
 Admission evicts least recently used stored contexts, never an active session; a request that does not fit waits
 in the queue (first come, first served); a full queue answers 429 with ``Retry-After``.
 """
@@ -53,14 +54,16 @@ class MemoryBudget:
         """(batch rows the session will reserve, per layer or one value for every layer, () for none; bytes its
         context adds to the store; the key of the stored entry it will use). A stored context's rows are known, layer
         by layer (a press that keeps some layers wider or whole holds fewer rows in the others); a new one is
-        estimated from the press's kept fraction, one value for every layer, and checked again after its prefill."""
+        estimated from the press's kept fraction (every token when it is short enough to be kept whole), one value for
+        every layer, and checked again after its prefill."""
         e = self.engine
         entry = None if peek else e.stored(job.context_ids)
         key = None
         if entry is not None:
             rows, new_bytes, key = tuple(layer.keys.shape[-2] for layer in entry.cache.layers), 0, entry.key
         else:
-            rows = (math.ceil(len(job.context_ids) * e.kept_fraction),)
+            short = len(job.context_ids) < e.compress_min_tokens  # kept whole
+            rows = (len(job.context_ids) if short else math.ceil(len(job.context_ids) * e.kept_fraction),)
             new_bytes = rows[0] * e.context_row_bytes
             if not peek and job.context_ids:  # a stored earlier turn of this chat is used, not evicted
                 min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))

@@ -20,6 +20,10 @@ from kvcompress.cache import WeightedLayer, cache_bytes
 # --turn-reuse: the share of a new context a stored earlier turn must cover to serve it (1.0: none can, a stored
 # context is a proper prefix)
 TURN_REUSE = {"prefix": 0.5, "exact": 1.0}
+# --compress-min-tokens' default: a context shorter than this is stored whole. A system prompt or a short chat history
+# saves a few hundred rows at most compressed, and loses what it says (a 53-token chat compressed at 25% kept forgot
+# the number it asked the model to remember; a 28-token system prompt's persona was dropped)
+COMPRESS_MIN_TOKENS = 256
 
 StoreKey = tuple[tuple[int, ...], str, str]  # (context token ids, model name, press settings)
 
