@@ -85,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "first tokens for new contexts (a number in [0, 1e6]; default 0.0)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="C",
                    help="a question longer than C tokens is prefilled C tokens at a time, one chunk between two "
-                        "decode steps, so the answers streaming meanwhile are held up one chunk at a time, not for "
-                        "the whole question (a one-part chat message, a pasted document, is all question under "
-                        "--chat-context parts); smaller: smoother streams, larger: that question's first token "
-                        "sooner (an integer >= 1; default 512)")
+                        "decode steps, and new questions take at most C tokens a step beside it, so the answers "
+                        "streaming meanwhile are held up about two chunks a step, not for whole questions (a "
+                        "one-part chat message, a pasted document, is all question under --chat-context parts); "
+                        "smaller: smoother streams, larger: long questions' first tokens sooner and fuller batches "
+                        "(an integer >= 1; default 512)")
     p.add_argument("--compress-min-tokens", type=int, default=COMPRESS_MIN_TOKENS, metavar="N",
                    help="a context shorter than N tokens is stored whole, never compressed: a system prompt or a "
                         "short chat history saves little memory compressed and can lose what it says (an "
