@@ -98,3 +98,11 @@ def write_json(path: str, program: str, argv: list[str] | None, rows: list, args
     with open(path, "w") as f:
         json.dump(dict(rows=rows, settings=vars(args), environment=environment, command=command), f, indent=2)
     print(f"wrote {path}")
+
+
+def print_and_write(result: dict, output: str | None) -> None:
+    """A probe's result as indented JSON on stdout, and in ``output`` when given."""
+    print(json.dumps(result, indent=1))
+    if output:
+        with open(output, "w") as handle:
+            json.dump(result, handle, indent=1)

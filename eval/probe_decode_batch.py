@@ -20,14 +20,14 @@ the first ``--warmup`` steps are not timed otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 
 import torch
 
+from eval.microbench import print_and_write
 from eval.speed.clock import Clock
-from eval.speed.config import QWEN25_7B, SMOKE_MODEL
+from eval.speed.config import random_qwen
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.serve.batch import RowSource, build
 from kvcompress.serve.step import COMPILE_BACKENDS, compiled_forward, decode_step
@@ -64,14 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.rows) < 1 or min(args.layers, args.steps, args.rounds) < 1 or args.warmup < 0:
         p.error("--rows, --layers, --steps and --rounds must be >= 1, --warmup >= 0")
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cuda = torch.cuda.is_available() and not args.smoke
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    shape = dict(SMOKE_MODEL if args.smoke else QWEN25_7B, num_hidden_layers=args.layers)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype).eval()
+    model = random_qwen(args.layers, args.smoke)
+    device, dtype = model.device, model.dtype
+    cuda = device.type == "cuda"
     use_weighted_attention(model)
     sessions = synthetic_sessions(model, args.rows, dtype, device)
     steps = args.warmup + args.rounds * args.steps
@@ -97,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.no_grad():
         for index in range(steps):
-            tokens = torch.randint(0, shape["vocab_size"], (len(args.rows),), generator=gen).tolist()
+            tokens = torch.randint(0, model.config.vocab_size, (len(args.rows),), generator=gen).tolist()
             positions = [n + 100 + index for n in args.rows]
             order = list(batches) if (index // args.steps) % 2 == 0 else list(reversed(batches))
             logits = {name: step(name, tokens, positions) for name in order}
@@ -121,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "largest_logit_difference_from_per_row": largest,
         "first_step_s": {name: value / 1e3 for name, value in first_ms.items()},  # with --warmup >= 1
     }
-    print(json.dumps(result, indent=1))
-    if args.output:
-        with open(args.output, "w") as handle:
-            json.dump(result, handle, indent=1)
+    print_and_write(result, args.output)
     return 0
 
 

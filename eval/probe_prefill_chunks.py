@@ -16,14 +16,14 @@ model on CPU, to check the script (not a measurement).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from types import SimpleNamespace
 
 import torch
 
-from eval.speed.config import QWEN25_7B, SMOKE_MODEL
+from eval.microbench import print_and_write
+from eval.speed.config import random_qwen
 
 
 def wait_for(condition, seconds: float, what: str) -> None:
@@ -116,26 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.layers, args.sessions, args.context, args.question) < 1 or min(args.chunks) < 0 or args.warmup < 2:
         p.error("--layers, --sessions, --context and --question must be >= 1, --chunks >= 0, --warmup >= 2")
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     from kvcompress.hf_attention import use_weighted_attention
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    torch.manual_seed(0)
-    with torch.device(device):
-        shape = dict(SMOKE_MODEL if args.smoke else QWEN25_7B, num_hidden_layers=args.layers)
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype).eval()
+    model = random_qwen(args.layers, args.smoke)
     use_weighted_attention(model)
     result = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: not a measurement)",
+        "device": torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu (smoke: not a measurement)",
         "layers": args.layers, "sessions": args.sessions, "context": args.context, "question": args.question,
         "runs": [one_chunk_size(model, args, chunk) for chunk in args.chunks],
     }
-    print(json.dumps(result, indent=1))
-    if args.output:
-        with open(args.output, "w") as handle:
-            json.dump(result, handle, indent=1)
+    print_and_write(result, args.output)
     return 0
 
 

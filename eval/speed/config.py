@@ -269,3 +269,16 @@ def resolve_device(cfg: Config) -> torch.device:
     if not cfg.smoke:
         raise RuntimeError("--device cpu: the full sizes need a GPU; add --smoke (tiny sizes, a smoke test)")
     return device
+
+
+def random_qwen(layers: int, smoke: bool = False) -> torch.nn.Module:
+    """A random-weight Qwen2.5-7B-Instruct-shaped model cut to ``layers`` decoder layers (seed 0, eval mode): bf16 on
+    CUDA; ``smoke`` (or no GPU): :data:`SMOKE_MODEL`'s tiny shape in float32 on CPU."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cuda = torch.cuda.is_available() and not smoke
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    with torch.device(device):
+        shape = dict(SMOKE_MODEL if smoke else QWEN25_7B, num_hidden_layers=layers)
+        return AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype).eval()
