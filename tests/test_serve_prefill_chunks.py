@@ -124,6 +124,7 @@ def test_one_chunk_runs_between_two_decode_steps_and_shorter_questions_pass():
     assert engine.metrics.cancelled._value.get() == 1
     feeds = {name: [i for i, call in enumerate(calls) if call[:2] == ("feed", name)] for name in jobs}
     assert [len(feeds[name]) for name in "ABCDEF"] == [1, 5, 1, 3, 2, 1]
+    assert engine.metrics.question_chunks._value.get() == 13  # /metrics counts every chunk fed
     assert [calls[i][2:] for i in feeds["B"]] == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
     rounds, fed_tokens = [], 0  # question tokens fed between two decode steps
     for call in calls:
@@ -177,6 +178,7 @@ def test_a_requests_choices_share_one_question_prefill(chunk):
         assert done.wait(120)
         assert fed == [0] * -(-20 // chunk)  # choice 0's chunks only
         assert engine.metrics.prompt_tokens._value.get() == 3 * 84
+        assert engine.metrics.shared_prefills._value.get() == 2
         if chunk == 512:
             for i in range(3):
                 engine.run_alone(Job(context, question, max_tokens=4, temperature=1.0, seed=5 + i, index=i))

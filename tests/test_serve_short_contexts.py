@@ -50,6 +50,7 @@ def test_a_context_under_the_threshold_is_stored_whole_and_a_longer_one_compress
         assert kept.scheduler._estimate(Job(long, [1], max_tokens=3), peek=True)[0] == (75 + 1 + 2,)
         assert all(layer.keys.shape[-2] < 300 for layer in kept.context_cache(long).layers)
         assert all(layer.keys.shape[-2] < 60 for layer in every.context_cache(short).layers)
+        assert (kept.metrics.short_contexts._value.get(), every.metrics.short_contexts._value.get()) == (1, 0)
     finally:
         kept.shutdown()
         every.shutdown()

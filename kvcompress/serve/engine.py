@@ -122,6 +122,8 @@ class Engine:
             cache = DynamicCache()
             ids = torch.tensor([tokens], device=device)
             if self.press is None or len(tokens) < self.compress_min_tokens:  # short: kept whole
+                if self.press is not None:
+                    self.metrics.short_contexts.inc()
                 self.model.model(input_ids=ids, past_key_values=cache)
             else:
                 try:
@@ -173,6 +175,7 @@ class Engine:
             out = self.model(**chunk, logits_to_keep=1)
         now = time.perf_counter()
         opening.fed, opening.chunks, opening.seconds = end, opening.chunks + 1, opening.seconds + now - start
+        self.metrics.question_chunks.inc()
         if end < n_q:
             return None
         self.metrics.question_seconds.observe(opening.seconds)
@@ -187,6 +190,7 @@ class Engine:
         from the rows and first-token logits of that opening, once its question is prefilled: no prefill of its own
         (its rows are copied when it joins the decode batch). Sampled as :meth:`feed` samples."""
         self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
+        self.metrics.shared_prefills.inc()
         log.info("request %s choice %d takes choice %d's question prefill", job.rid, job.index, opening.job.index)
         return self._first_token(opening, job, _generator(job), time.perf_counter())
 

@@ -30,7 +30,14 @@ class ServerMetrics:
                                     ["kind"], registry=r)  # kind: exact (same context) or prefix (a later turn)
         self.context_misses = Counter(f"{PREFIX}_context_reuse_misses", "requests whose context was prefilled",
                                       registry=r)
-        self.prefills = Counter(f"{PREFIX}_prefills", "context prefills under the press", registry=r)
+        self.prefills = Counter(f"{PREFIX}_prefills", "context prefills (under the press unless kept whole)",
+                                registry=r)
+        self.short_contexts = Counter(f"{PREFIX}_short_contexts", "contexts prefilled and stored whole, shorter than "
+                                      "--compress-min-tokens", registry=r)
+        self.question_chunks = Counter(f"{PREFIX}_question_chunks", "question prefill calls (a question longer than "
+                                       "--prefill-chunk takes several, one between two decode steps)", registry=r)
+        self.shared_prefills = Counter(f"{PREFIX}_shared_question_prefills", "choices (n > 1) that took another "
+                                       "choice's question prefill instead of their own", registry=r)
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
         self.prefill_seconds = Histogram(f"{PREFIX}_prefill_seconds", "context prefill + compression time",
                                          buckets=buckets, registry=r)
