@@ -4,8 +4,6 @@ pipeline). A tiny random model and an engine in this process (fast); a real serv
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -22,10 +20,8 @@ def test_a_context_under_the_threshold_is_stored_whole_and_a_longer_one_compress
     from kvcompress.cache import WeightedLayer
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.registry import make_press
-    from kvcompress.serve.engine import Engine
     from kvcompress.serve.jobs import Job
-    from kvcompress.serve.metrics import ServerMetrics
-    from kvcompress.serve.store import ContextStore
+    from tests.test_serve_prefill_chunks import _engine
 
     model = tiny_model("llama", seed=2)
     use_weighted_attention(model)
@@ -34,10 +30,8 @@ def test_a_context_under_the_threshold_is_stored_whole_and_a_longer_one_compress
     plain = DynamicCache()
     model.model(input_ids=torch.tensor([short]), past_key_values=plain)
 
-    def engine(threshold: int) -> Engine:
-        return Engine(model, SimpleNamespace(eos_token_id=None), model_name="m", press_label="c",
-                      press=make_press("compresskv", 0.75, 0), store=ContextStore(10**9), metrics=ServerMetrics(),
-                      compile_decode="off", compress_min_tokens=threshold)  # fmt: skip
+    def engine(threshold: int):
+        return _engine(model, make_press("compresskv", 0.75, 0), compress_min_tokens=threshold)
 
     kept, every = engine(100), engine(0)
     try:

@@ -175,11 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: must be an integer >= 1, got {getattr(args, flag)}")
         from kvcompress.serve.scheduler import check_decode_per_prefill, check_prefill_chunk
+        from kvcompress.serve.store import check_compress_min_tokens
 
         check_decode_per_prefill(args.decode_per_prefill)
         check_prefill_chunk(args.prefill_chunk)
-        if args.compress_min_tokens < 0:
-            raise ValueError(f"--compress-min-tokens: must be an integer >= 0, got {args.compress_min_tokens}")
+        check_compress_min_tokens(args.compress_min_tokens)
         if not 0 < args.port < 65536:
             raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
         if args.served_model_name is not None and not args.served_model_name.strip():  # clients could not name it

@@ -24,7 +24,7 @@ from kvcompress.serve.jobs import Job, Opening, Session, TokenLogprob
 from kvcompress.serve.metrics import ServerMetrics
 from kvcompress.serve.sampling import StopText, TokenBytes
 from kvcompress.serve.step import compiled_forward, decode_step, warm_up
-from kvcompress.serve.store import COMPRESS_MIN_TOKENS, ContextStore, answer_view
+from kvcompress.serve.store import COMPRESS_MIN_TOKENS, ContextStore, answer_view, check_compress_min_tokens
 
 log = logging.getLogger("kvcompress.serve")
 
@@ -65,9 +65,7 @@ class Engine:
         self.batch_session_bytes = layers * heads * head_dim * 4 * 2  # clip range, float32
         keep = 1.0 - float(getattr(press, "compression_ratio", 0.0) or 0.0) if press is not None else 1.0
         self.kept_fraction = keep  # of a context of at least compress_min_tokens tokens; shorter ones are kept whole
-        if isinstance(compress_min_tokens, bool) or not isinstance(compress_min_tokens, int) or compress_min_tokens < 0:
-            raise ValueError(f"--compress-min-tokens: must be an integer >= 0, got {compress_min_tokens!r}")
-        self.compress_min_tokens = compress_min_tokens
+        self.compress_min_tokens = check_compress_min_tokens(compress_min_tokens)
         self.scheduler = Scheduler(self, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
                                    memory=store.capacity if memory is None else memory, max_queue=max_queue,
                                    decode_per_prefill=DECODE_PER_PREFILL if decode_per_prefill is None
@@ -121,9 +119,10 @@ class Engine:
             self.metrics.prefills.inc()
             cache = DynamicCache()
             ids = torch.tensor([tokens], device=device)
-            if self.press is None or len(tokens) < self.compress_min_tokens:  # short: kept whole
-                if self.press is not None:
-                    self.metrics.short_contexts.inc()
+            short = self.press is not None and len(tokens) < self.compress_min_tokens  # kept whole
+            if short:
+                self.metrics.short_contexts.inc()
+            if self.press is None or short:
                 self.model.model(input_ids=ids, past_key_values=cache)
             else:
                 try:
@@ -135,8 +134,7 @@ class Engine:
                     self.metrics.uncompressed.inc()
                     cache = DynamicCache()
                     self.model.model(input_ids=ids, past_key_values=cache)
-            whole = "" if self.press is None or len(tokens) >= self.compress_min_tokens else \
-                f" (kept whole: under --compress-min-tokens {self.compress_min_tokens})"
+            whole = f" (kept whole: under --compress-min-tokens {self.compress_min_tokens})" if short else ""
             log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s%s", rid, len(tokens),
                      cache.get_seq_length(0), time.perf_counter() - start, whole)
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)

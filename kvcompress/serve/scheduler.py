@@ -66,6 +66,12 @@ def check_decode_per_prefill(value: float) -> float:
     return value
 
 
+def failure(err: Exception) -> str:
+    """The one-line error event a client gets when its generation fails."""
+    first = str(err).splitlines()[0] if str(err) else ""
+    return f"generation failed: {type(err).__name__}: {first}"
+
+
 def check_prefill_chunk(value: int) -> int:
     """``value`` if it is a valid ``--prefill-chunk`` (an integer >= 1), else a one-line ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -168,9 +174,8 @@ class Scheduler(MemoryBudget):
                 self._publish()
 
     def _fail_all(self, err: Exception) -> None:
-        first = str(err).splitlines()[0] if str(err) else ""
         for session in self.active:
-            session.job.emit("error", f"generation failed: {type(err).__name__}: {first}")
+            session.job.emit("error", failure(err))
         self.active, self.batch = [], None
 
     def _next_job(self, joining: list[Session], budget: int) -> Job | None:
@@ -239,12 +244,8 @@ class Scheduler(MemoryBudget):
                 self._failed(job, err)
                 continue
             budget -= opening.fed
-            if session is None:  # the rest of its question in chunks, one between two decode steps
-                opening.need = need
-                self._opening = opening
-                continue
-            self._place(session, joining)
-            self._fork_choices(opening, joining)
+            opening.need = need  # held while the rest of a long question is fed, one chunk between two decode steps
+            self._fed(opening, session, joining)
         if joining:
             keep = list(range(len(self.active)))
             capacity = self._capacity(self.active + joining)
@@ -268,6 +269,11 @@ class Scheduler(MemoryBudget):
         except Exception as err:  # noqa: BLE001
             self._failed(job, err)
             return
+        self._fed(opening, session, joining)
+
+    def _fed(self, opening: Opening, session: Session | None, joining: list[Session]) -> None:
+        """After a chunk of ``opening``'s question: it opens on in chunks (``session`` None), or its session and its
+        request's other choices are placed."""
         if session is None:
             self._opening = opening
         else:
@@ -305,8 +311,7 @@ class Scheduler(MemoryBudget):
 
     def _failed(self, job: Job, err: Exception) -> None:
         log.exception("request %s failed", job.rid)
-        first = str(err).splitlines()[0] if str(err) else ""
-        job.emit("error", f"generation failed: {type(err).__name__}: {first}")
+        job.emit("error", failure(err))
 
     def _prefilled(self, job: Job, seconds: float) -> None:
         """Book a context prefill of ``seconds`` against the budget: the batch owes that many seconds times

@@ -25,6 +25,13 @@ TURN_REUSE = {"prefix": 0.5, "exact": 1.0}
 # the number it asked the model to remember; a 28-token system prompt's persona was dropped)
 COMPRESS_MIN_TOKENS = 256
 
+
+def check_compress_min_tokens(value: int) -> int:
+    """``value`` if it is a valid ``--compress-min-tokens`` (an integer >= 0), else a one-line ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"--compress-min-tokens: must be an integer >= 0, got {value!r}")
+    return value
+
 StoreKey = tuple[tuple[int, ...], str, str]  # (context token ids, model name, press settings)
 
 

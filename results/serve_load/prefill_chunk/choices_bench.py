@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,9 +26,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--context-tokens", type=int, default=1024)
     args = p.parse_args()
-    import subprocess
-    import sys
-
     port = free_port()
     log = Path(tempfile.mkdtemp()) / "server.log"
     with open(log, "w") as err:
