@@ -11,6 +11,7 @@ __all__ = [
     "UniformPress",
     "compress_kv",
     "lambert_w0",
+    "prefill_in_chunks",
     "rpnys",
     "temperature",
     "use_weighted_attention",
@@ -33,6 +34,10 @@ def __getattr__(name: str):
         from kvcompress import static_cache
 
         return static_cache.StaticWeightedCache
+    if name == "prefill_in_chunks":
+        from kvcompress import context_chunks
+
+        return context_chunks.prefill_in_chunks
     if name == "use_weighted_attention":
         from kvcompress import hf_attention
 

@@ -64,10 +64,13 @@ class PrefillRows(NamedTuple):
 
 @dataclass
 class _PrefillSlot:
-    """The handed-over rows by layer index, and how many last rows' outputs each call keeps."""
+    """The handed-over rows by layer index, and how many last rows' outputs each call keeps. ``unpadded``: the caller
+    (a context read in chunks, :mod:`kvcompress.context_chunks`) checked that every row of its calls is a real token,
+    so their masks are plain causal (lower-right) and are not read, and calls after cached rows hand over too."""
 
     output_rows: int
     layers: dict = field(default_factory=dict)
+    unpadded: bool = False
 
 
 # While a press wants the prefill's rows: where its prefill calls hand them over (one layer's at a time).
@@ -133,32 +136,42 @@ def _fused_attention_with_lse(query, key, value, causal: bool, scaling: float) -
     return out[0], out[1]
 
 
-def split_at_context(query, key, value, scaling: float, attend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cpu_attention_with_lse(query, key, value, causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash attention (grouped-query heads taken as they are) with its row log-sum-exp: output
+    ``[b, h_q, q, d]``, log-sum-exp ``[b, h_q, q]`` (natural log). ``causal``: top-left, so square calls only."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scaling)
+
+
+def split_at_context(
+    query, key, value, scaling: float, attend
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lower-right causal attention of ``q`` new queries over ``k_len`` keys (the last ``q`` their own) as two
     attentions merged by their log-sum-exps, FlashDecoding's split: over the ``k_len - q`` context keys (all
     visible) and over the queries' own keys (causal). ``attend(q, k, v, causal, scaling) -> (out, lse)``. Returns
-    the output ``[b, h_q, q, d]`` (query dtype), and the context part's ``[b, h_q, q]`` float32 log-sum-exp and
-    ``[b, h_q, q, d]`` output (``attend``'s dtype)."""
+    the output ``[b, h_q, q, d]`` (query dtype), its ``[b, h_q, q]`` float32 log-sum-exp over all ``k_len`` keys, and
+    the context part's ``[b, h_q, q]`` float32 log-sum-exp and ``[b, h_q, q, d]`` output (``attend``'s dtype)."""
     context = key.shape[-2] - query.shape[-2]
     out_context, lse_context = attend(query, key[:, :, :context], value[:, :, :context], False, scaling)
     out_own, lse_own = attend(query, key[:, :, context:], value[:, :, context:], True, scaling)
     wide = torch.promote_types(query.dtype, torch.float32)  # the merge in float32 at least
     lse = torch.stack((lse_context, lse_own)).to(wide)
-    out = merge_partial_attentions(lse, torch.stack((out_context, out_own)).to(wide))[1]
-    return out.to(query.dtype), lse_context.float(), out_context
+    lse, out = merge_partial_attentions(lse, torch.stack((out_context, out_own)).to(wide))
+    return out.to(query.dtype), lse.float(), lse_context.float(), out_context
 
 
 @contextmanager
-def handing_over_prefill_rows(output_rows: int = 0) -> Iterator[None]:
+def handing_over_prefill_rows(output_rows: int = 0, unpadded: bool = False) -> Iterator[_PrefillSlot]:
     """Inside (a press whose prior reads every prefill query, ``"induction"``): an unpadded causal prefill call runs
     an attention that also returns its row log-sum-exp (the fused kernel sdpa itself picks: cuDNN or flash on CUDA,
     flash on CPU) and hands the call's post-RoPE queries, that log-sum-exp and a copy of its last ``output_rows``
     rows' outputs to :func:`take_prefill_rows`, so the prior needs neither a query projection nor an attention pass
     of its own (nor the fit, for the window's queries: their exact outputs), and the prefill runs the kernel a
-    no-press prefill runs (writing its log-sum-exp too: 12.6 against 11.4 ms a layer at 32k on an H200)."""
-    token = _PREFILL_ROWS.set(_PrefillSlot(output_rows))
+    no-press prefill runs (writing its log-sum-exp too: 12.6 against 11.4 ms a layer at 32k on an H200).
+    ``unpadded``: see :class:`_PrefillSlot` (the slot is yielded: its caller may switch it per call)."""
+    slot = _PrefillSlot(output_rows, unpadded=unpadded)
+    token = _PREFILL_ROWS.set(slot)
     try:
-        yield
+        yield slot
     finally:
         _PREFILL_ROWS.reset(token)
 
@@ -183,18 +196,19 @@ def _causal_prefill_with_lse(module, query, key, value, attention_mask, scaling,
     """The causal attention of a prefill call with no cache before it (as many keys as queries, no padding mask, no
     window), its rows handed over in ``slot``; ``[b, q, h_q, d]``, or None where the stock path runs."""
     q_len, k_len = query.shape[-2], key.shape[-2]
-    if attention_mask is not None or _windowed(module, kwargs) or q_len < 2 or k_len != q_len:
+    if (attention_mask is not None and not slot.unpadded) or _windowed(module, kwargs) or q_len < 2:
+        return None
+    if k_len != q_len and not (slot.unpadded and k_len > q_len):
         return None
     scaling = _resolved_scaling(query, scaling)
+    attend = {"cuda": _fused_attention_with_lse, "cpu": _cpu_attention_with_lse}.get(query.device.type)
+    if attend is None:
+        return None
     try:
-        if query.device.type == "cuda":
-            out, lse = _fused_attention_with_lse(query, key, value, True, scaling)
-        elif query.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, True, scale=scaling
-            )
-        else:
-            return None
+        if k_len == q_len:
+            out, lse = attend(query, key, value, True, scaling)
+        else:  # a later chunk of a context: over the cached rows and its own, merged (FlashDecoding's split)
+            out, lse = split_at_context(query, key, value, scaling, attend)[:2]
     except (RuntimeError, TypeError) as error:  # a fused operator this torch build lacks or refuses
         logger.warning_once(f"kvcompress: the prefill's attention hands no log-sum-exp over ({error})")
         return None
@@ -234,7 +248,7 @@ def _lower_right_causal_sdpa(
     if slot is not None and _split_wanted(query):
         try:
             attend, resolved = _fused_attention_with_lse, _resolved_scaling(query, scaling)
-            out, lse, out_context = split_at_context(query, key, value, resolved, attend)
+            out, _, lse, out_context = split_at_context(query, key, value, resolved, attend)
         except (RuntimeError, TypeError) as error:  # a fused operator this torch build lacks or refuses
             logger.warning_once(f"kvcompress: the repeat chunks' attention hands no log-sum-exp over ({error})")
         else:

@@ -250,7 +250,15 @@ class CompressKVPress(WeightedSubsetPress):
     def reads_values(self) -> bool:
         return self.novelty_value_norm and "novelty" in self.reference and self.selection != "rpnys"
 
-    def record_reference(self, module, kwargs, keys, values) -> LayerReference:
+    def chunk_refusal(self) -> str | None:
+        if self.selection == "rpnys" and self.query_radius == "queries":
+            return "reads query_radius='queries' (every prefill query's norm at once); use query_radius='keys'"
+        return super().chunk_refusal()
+
+    def chunk_tail_rows(self) -> int:
+        return max(1, self.observation_window) if "window" in self.reference_sources() else 1
+
+    def record_reference(self, module, kwargs, keys, values, chunked=None) -> LayerReference:
         sources = self.reference_sources()
         if not self.scores_layer(module.layer_idx, keys.shape[-2]):  # kept whole: no rows to score or fit
             # but balanced()'s repeat pass re-reads the pieces most novel over every layer, this one included
@@ -260,7 +268,7 @@ class CompressKVPress(WeightedSubsetPress):
             return LayerReference(query_radius=radius)
         return record_prefill(
             module, kwargs, keys, sources, self.observation_window, self.fit_queries, self.score_pooling,
-            novelty_values=values,
+            novelty_values=values, chunked=chunked,
         )  # fmt: skip
 
     def check_model(self, model, windows: list[int | None]) -> None:

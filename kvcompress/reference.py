@@ -25,6 +25,7 @@ and a few queries for the fit (:mod:`kvcompress.fitting`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from kvpress.utils import get_prerope_query_states
@@ -32,6 +33,9 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvcompress.hf_attention import new_tokens_see_all_cached, take_context_rows, take_prefill_rows
 from kvcompress.selection import attention_mass, induction_score, key_novelty
+
+if TYPE_CHECKING:
+    from kvcompress.context_chunks import ChunkedReference
 
 SOURCES = ("window", "prefill", "repeat", "context", "accumulated", "novelty", "induction")
 PRIORS = ("novelty", "induction")  # scores without fit queries: a share of the rows each (methods.mixed_scores)
@@ -115,18 +119,25 @@ def record_prefill(
     samples: int,
     reduce: str = "sum",
     novelty_values: torch.Tensor | None = None,
+    chunked: ChunkedReference | None = None,
 ) -> LayerReference:
     """The sources of one layer that its prefill call (hook ``kwargs``) gives: all but ``"repeat"``. ``reduce``
     pools each source's queries (:func:`kvcompress.selection.attention_mass`) and is kept for the repeat pass;
-    ``novelty_values``: the layer's values ``[b, h_kv, n, d_v]``, to weight the novelty prior by their norms."""
+    ``novelty_values``: the layer's values ``[b, h_kv, n, d_v]``, to weight the novelty prior by their norms.
+    ``chunked``: the last call of a context read in several (:mod:`kvcompress.context_chunks`): its last rows and
+    induction scores stand for the whole context's prefill (``"window"``, ``"novelty"``, ``"induction"`` only)."""
     reference = LayerReference(reduce=reduce)
     if "novelty" in sources:
         reference.mass["novelty"] = key_novelty(keys, novelty_values)
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
     n = keys.shape[-2]
-    handed = take_prefill_rows(module.layer_idx) if "induction" in sources else None
-    if handed is not None and handed.queries.shape[-2] != n:  # a chunked prefill's last call: not the whole context
-        handed = None
+    first = 0  # the position of the handed rows' first query
+    if chunked is not None:
+        handed, first = chunked.rows, n - chunked.rows.queries.shape[-2]
+    else:
+        handed = take_prefill_rows(module.layer_idx) if "induction" in sources else None
+        if handed is not None and handed.queries.shape[-2] != n:  # a generate() chunk's last call, read as one
+            handed = None
     picks = {}
     if "window" in sources:
         picks["window"] = torch.arange(max(0, n - observation_window), n, device=keys.device)
@@ -137,12 +148,16 @@ def record_prefill(
         if handed is None:
             queries = post_rope_queries(module, hidden[:, index], (cos[:, index], sin[:, index]))
         else:  # the prefill's attention already ran these rows: its queries and normalisers (and outputs) serve
-            queries, lse = handed.queries[:, :, index], handed.lse[:, :, index]
+            queries, lse = handed.queries[:, :, index - first], handed.lse[:, :, index - first]
             last, window = handed.last_outputs, min(n, observation_window)  # the window: the context's last rows
             if source == "window" and last is not None and last.shape[2] >= window:
                 outputs = (lse, last[:, :, last.shape[2] - window :])
         mass = attention_mass(queries, keys, module.scaling, query_positions=index, reduce=reduce, row_lse=lse)
         reference.add(source, mass, queries, index, outputs)
+    if chunked is not None:  # the other sources need every prefill query at once: refused (ContextChunks)
+        if "induction" in sources:
+            reference.mass["induction"] = chunked.induction
+        return reference
     if {"context", "accumulated", "induction"} & set(sources):  # all n prefill queries
         queries = post_rope_queries(module, hidden, (cos, sin)) if handed is None else handed.queries
         if "induction" in sources:

@@ -155,32 +155,38 @@ def key_novelty(keys: torch.Tensor, values: torch.Tensor | None = None) -> torch
     return novelty * norms / norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def causal_row_lse(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def causal_row_lse(queries: torch.Tensor, keys: torch.Tensor, scaling: float, first: int = 0) -> torch.Tensor:
     """Each context query's causal softmax normaliser: ``log sum_{i <= j} exp(scaling <q_j, k_i>)`` for queries
-    ``[b, h_q, n, d]`` and keys ``[b, h_kv, n, d]`` (GQA) -> ``[b, h_q, n]`` float32. On CUDA the attention-mass
-    kernel's first pass (:func:`kvcompress.kernels.attention_mass.row_lse_kernel`); elsewhere over query chunks of at
-    most ``_CHUNK_ELEMENTS`` logits (``_DEVICE_CHUNK_ELEMENTS`` off the CPU)."""
-    batch, heads_q, n, dim = queries.shape
-    if queries.device.type == "cuda" and n > 0:
+    ``[b, h_q, m, d]`` at positions ``first .. first + m - 1`` and keys ``[b, h_kv, >= first + m, d]`` (GQA; keys
+    after the last query's position are not read) -> ``[b, h_q, m]`` float32. ``first`` > 0: a chunk of the context
+    after ``first`` earlier tokens. On CUDA the attention-mass kernel's first pass
+    (:func:`kvcompress.kernels.attention_mass.row_lse_kernel`); elsewhere over query chunks of at most
+    ``_CHUNK_ELEMENTS`` logits (``_DEVICE_CHUNK_ELEMENTS`` off the CPU)."""
+    batch, heads_q, m, dim = queries.shape
+    n = first + m
+    keys = keys[:, :, :n]
+    if queries.device.type == "cuda" and m > 0:
         from kvcompress.kernels import attention_mass as kernel
 
         if kernel.unsupported_reason(queries, keys) is None:
-            return kernel.row_lse_kernel(queries, keys, scaling, torch.arange(n, device=queries.device))
+            return kernel.row_lse_kernel(queries, keys, scaling, torch.arange(first, n, device=queries.device))
     heads_kv = keys.shape[1]
     group = heads_q // heads_kv
-    grouped = queries.reshape(batch, heads_kv, group, n, dim)
+    grouped = queries.reshape(batch, heads_kv, group, m, dim)
     keys = keys.float()
-    lse = torch.empty(batch, heads_kv, group, n, dtype=torch.float32, device=keys.device)
+    lse = torch.empty(batch, heads_kv, group, m, dtype=torch.float32, device=keys.device)
     elements = _chunk_elements(keys.device)
     step = max(1, elements // max(1, batch * heads_q * n))
     key_index = torch.arange(n, device=keys.device)
-    for start in range(0, n, step):
-        end = min(n, start + step)  # the chunk's queries see keys < end only
-        logits = torch.einsum("bhgmd,bhnd->bhgmn", grouped[:, :, :, start:end].float() * scaling, keys[:, :, :end])
-        logits.masked_fill_(key_index[:end] > key_index[start:end, None], -math.inf)
+    for start in range(0, m, step):
+        end = min(m, start + step)  # the chunk's queries see keys < first + end only
+        logits = torch.einsum(
+            "bhgmd,bhnd->bhgmn", grouped[:, :, :, start:end].float() * scaling, keys[:, :, : first + end]
+        )
+        logits.masked_fill_(key_index[: first + end] > key_index[first + start : first + end, None], -math.inf)
         lse[..., start:end] = logits.logsumexp(-1)
         del logits
-    return lse.reshape(batch, heads_q, n)
+    return lse.reshape(batch, heads_q, m)
 
 
 def induction_score(
@@ -196,23 +202,36 @@ def induction_score(
     key 0 scores 0. queries ``[b, h_q, n, d]`` (post-RoPE, the context's own), keys ``[b, h_kv, n, d]``;
     ``row_lse``: optional ``[b, h_q, n]`` causal normalisers of those queries (natural log) as the prefill's
     attention computed them, else :func:`causal_row_lse`. Returns ``[b, h_kv, n]`` float32 in [0, 1)."""
-    batch, heads_q, n, dim = queries.shape
-    heads_kv = keys.shape[1]
-    group = heads_q // heads_kv
     if row_lse is None:
         row_lse = causal_row_lse(queries, keys, scaling)
-    grouped = queries.reshape(batch, heads_kv, group, n, dim)
-    lse = row_lse.reshape(batch, heads_kv, group, n)
-    score = torch.zeros(batch, heads_kv, n, dtype=torch.float32, device=keys.device)  # key 0: 0
+    score = torch.zeros(*keys.shape[:3], dtype=torch.float32, device=keys.device)  # key 0: 0
+    score[:, :, 1:] = recall_score(queries[:, :, :-1], row_lse[:, :, :-1], keys[:, :, 1:], scaling, first=1)
+    return score
+
+
+def recall_score(
+    previous: torch.Tensor, previous_lse: torch.Tensor, keys: torch.Tensor, scaling: float, first: int
+) -> torch.Tensor:
+    """:func:`induction_score` of the ``m`` keys ``[b, h_kv, m, d]`` at positions ``first .. first + m - 1``
+    (``first`` >= 1), each recalled by the query before it: ``previous [b, h_q, m, d]`` the queries at positions
+    ``first - 1 ..``, ``previous_lse [b, h_q, m]`` their causal normalisers. Any span of a context scores alone, so a
+    context read in chunks (:mod:`kvcompress.context_chunks`) gets the scores of one read. ``[b, h_kv, m]`` float32."""
+    batch, heads_q, m, dim = previous.shape
+    heads_kv = keys.shape[1]
+    group = heads_q // heads_kv
+    grouped = previous.reshape(batch, heads_kv, group, m, dim)
+    lse = previous_lse.reshape(batch, heads_kv, group, m)
+    score = torch.empty(batch, heads_kv, m, dtype=torch.float32, device=keys.device)
     elements = _chunk_elements(keys.device)
     step = max(1, elements // max(1, batch * heads_q * dim))  # float32 copies of a chunk of queries at a time
-    for first in range(1, n, step):
-        last = min(n, first + step)  # keys first..last-1, recalled by the queries before them
-        previous = grouped[:, :, :, first - 1 : last - 1].float()
-        recalled = scaling * torch.einsum("bhgjd,bhjd->bhgj", previous, keys[:, :, first:last].float())
-        before = lse[:, :, :, first - 1 : last - 1].float()
-        count = torch.arange(first, last, device=keys.device, dtype=torch.float32)
-        score[:, :, first:last] = torch.sigmoid(count.log() + recalled - torch.logaddexp(recalled, before)).amax(2)
+    for start in range(0, m, step):
+        end = min(m, start + step)
+        recalled = scaling * torch.einsum(
+            "bhgjd,bhjd->bhgj", grouped[:, :, :, start:end].float(), keys[:, :, start:end].float()
+        )
+        before = lse[:, :, :, start:end].float()
+        count = torch.arange(first + start, first + end, device=keys.device, dtype=torch.float32)
+        score[:, :, start:end] = torch.sigmoid(count.log() + recalled - torch.logaddexp(recalled, before)).amax(2)
     return score
 
 

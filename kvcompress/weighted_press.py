@@ -38,7 +38,8 @@ from transformers.utils import logging as hf_logging
 from kvcompress._checks import check_bool, check_compression_ratio, check_int_range, plain_scalars
 from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
-from kvcompress.hf_attention import handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
+from kvcompress.context_chunks import CHUNKED_SOURCES, ChunkedReference, ContextChunks
+from kvcompress.hf_attention import PrefillRows, handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
 from kvcompress.padding import row_kwargs, stack_rows
 from kvcompress.prefill_call import PrefillCallHooks
 from kvcompress.press_guards import (
@@ -47,8 +48,9 @@ from kvcompress.press_guards import (
     refuse_a_wrapper,
     refuse_non_finite_layers,
 )
-from kvcompress.reference import LayerReference
+from kvcompress.reference import LayerReference, post_rope_queries
 from kvcompress.repeat_hooks import RepeatPassHooks
+from kvcompress.selection import causal_row_lse
 from kvcompress.window import layer_windows, trim_to_windows
 
 logger = hf_logging.get_logger(__name__)
@@ -126,6 +128,7 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
     _restore: Any = field(default=None, init=False, repr=False, compare=False)  # puts the cache back as before it
     _side: CompressionStream = field(default_factory=CompressionStream, init=False, repr=False, compare=False)
     _deferred: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # layer -> (cache, state)
+    _chunks: Any = field(default=None, init=False, repr=False, compare=False)  # a ContextChunks while entered
 
     def __post_init__(self) -> None:
         plain_scalars(self)
@@ -193,11 +196,36 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         return False
 
     def record_reference(
-        self, module: torch.nn.Module, kwargs: dict, keys: torch.Tensor, values: torch.Tensor | None
+        self,
+        module: torch.nn.Module,
+        kwargs: dict,
+        keys: torch.Tensor,
+        values: torch.Tensor | None,
+        chunked: ChunkedReference | None = None,
     ) -> LayerReference:
         """What :meth:`compress_middle` needs from this layer's prefill call (hook ``kwargs``; the context's keys and
-        values ``[b, h_kv, n, d]``, values None unless :meth:`reads_values`)."""
+        values ``[b, h_kv, n, d]``, values None unless :meth:`reads_values`). ``chunked``: the last call of a context
+        read in several (:meth:`context_in_chunks`), what the earlier calls left for this layer."""
         return LayerReference()
+
+    def chunk_refusal(self) -> str | None:
+        """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None."""
+        others = [source for source in self.reference_sources() if source not in CHUNKED_SOURCES]
+        if others:
+            return (f"reads reference={others} (all prefill queries at once or a second pass over the context); "
+                    f"a context read in chunks gives {list(CHUNKED_SOURCES)}")  # fmt: skip
+        return None
+
+    def chunk_tail_rows(self) -> int:
+        """How many of the context's last queries a context read in chunks carries from call to call (at least the
+        one the induction score of the next call's first key needs)."""
+        return 1
+
+    def context_in_chunks(self, tokens: int) -> ContextChunks:
+        """The next ``tokens`` tokens prefilled into an empty cache, in several calls, are one context, compressed
+        after the last as one call would be (:class:`kvcompress.context_chunks.ContextChunks`; ValueError naming
+        the reason where this press's sources need the whole prefill at once)."""
+        return ContextChunks(self, tokens)
 
     def compress_middle(
         self,
@@ -264,6 +292,8 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         self._side.join()  # the compressed layers are read from here on
         if self._repeating:
             return
+        if self._chunks is not None and self._chunks.call is not None:
+            self._chunks.end_call()
         restore, self._restore = self._restore, None  # this call went through: nothing for _undo_a_failed_prefill
         if not self._prefilled:
             return
@@ -295,14 +325,21 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
     @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def forward_hook(self, module: torch.nn.Module, input: list, kwargs: dict, output: list) -> list:
         n = kwargs["hidden_states"].shape[1]
-        if not self._repeating and self.plan(n) is not None and self._prefilling(kwargs["cache_position"], n):
-            self._prefilled = True  # a prefill this press compresses: sliding layers are cut after it
+        chunks = None if self._repeating or self._chunks is None or self._chunks.call is None else self._chunks
+        if chunks is None and not self._repeating and self.plan(n) is not None:
+            if self._prefilling(kwargs["cache_position"], n):
+                self._prefilled = True  # a prefill this press compresses: sliding layers are cut after it
         window = self._windows[module.layer_idx] if module.layer_idx < len(self._windows) else None
         if getattr(module, "is_sliding", False) or window is not None:
             return output  # sliding layers stay exact (cut to their window after the prefill)
         hidden_states, cache = kwargs["hidden_states"], kwargs["past_key_values"]
         if self._repeating:
             self._record_repeat(module, kwargs, cache)
+            return output
+        if chunks is not None:
+            self._read_chunk(module, kwargs, cache, chunks)
+            if chunks.last_call:
+                self._compress_prefill(module, kwargs, cache, None, chunks.reference(module.layer_idx))
             return output
         if not self._prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             return output  # only the prefill is compressed
@@ -314,18 +351,40 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
                 f"press: layer {module.layer_idx} holds {n} rows after a {hidden_states.shape[1]}-token prefill: "
                 f"another press changed it before {type(self).__name__}, which runs alone (not nested or composed)"
             )
-        rows = self._real_rows(batch, n, layer.keys.device)
+        self._compress_prefill(module, kwargs, cache, self._real_rows(batch, n, layer.keys.device))
+        return output
+
+    def _read_chunk(self, module: torch.nn.Module, kwargs: dict, cache, chunks: ContextChunks) -> None:
+        """One call of a context read in chunks, through layer ``module``: its queries' part of the references,
+        from what its attention handed over (else from its hidden states, the normalisers computed here)."""
+        if not chunks.wants_rows:
+            return
+        hidden, keys = kwargs["hidden_states"], cache.layers[module.layer_idx].keys
+        rows = take_prefill_rows(module.layer_idx)
+        if rows is None or rows.queries.shape[-2] != hidden.shape[1]:
+            queries = post_rope_queries(module, hidden, kwargs["position_embeddings"])
+            lse = causal_row_lse(queries, keys, module.scaling, first=chunks.call[0])
+            rows = PrefillRows(queries, lse, None)
+        chunks.add(module.layer_idx, rows, keys, module.scaling)
+
+    def _compress_prefill(self, module: torch.nn.Module, kwargs: dict, cache, rows, chunked=None) -> None:
+        """Compress layer ``module`` of a prefill's ``cache`` (``rows``: each batch row's real tokens, None when
+        unpadded; ``chunked``: the last call of a context read in chunks, a :class:`ChunkedReference`)."""
+        layer = cache.layers[module.layer_idx]
+        batch, _, n, _ = layer.keys.shape
         plans = [self.plan(n)] * batch if rows is None else [self.plan(len(index)) for index in rows]
         plans = [self.layer_plan(plan, module.layer_idx) for plan in plans]
         if all(plan is None for plan in plans):
             if self.budget(n) < 1:
                 logger.warning_once(f"{type(self).__name__}: a {n}-token context keeps 0 rows; left uncompressed")
-            return output
+            return
         finite = torch.stack([torch.isfinite(layer.keys).all(), torch.isfinite(layer.values).all()])
         self._finite.append((module.layer_idx, ("keys", "values"), finite))  # read after the prefill
         wanted = self.reads_values()
         if rows is None:
-            references = [self.record_reference(module, kwargs, layer.keys, layer.values if wanted else None)]
+            values = layer.values if wanted else None
+            extra = {} if chunked is None else {"chunked": chunked}  # an override without the argument still serves
+            references = [self.record_reference(module, kwargs, layer.keys, values, **extra)]
         else:
             references = [
                 self.record_reference(
@@ -342,7 +401,6 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
             self._deferred[module.layer_idx] = (cache, state)
         else:
             self._compress_layer(cache, state)
-        return output
 
     def _compress_rows(
         self, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, plan: RowPlan, reference

@@ -23,4 +23,4 @@ $VENV/bin/python -c "import transformers; assert transformers.__version__.starts
 $VENV/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" -p no:cacheprovider \
     tests/test_sliding_window.py tests/test_static_cache.py tests/test_cache_batch_ops.py \
     tests/test_kvpress_idioms.py tests/test_padding.py tests/test_pipeline.py tests/test_models.py \
-    tests/test_presses.py tests/test_repeat_pass.py "$@"
+    tests/test_presses.py tests/test_repeat_pass.py tests/test_context_chunks.py "$@"

@@ -154,11 +154,15 @@ def math_attend(query, key, value, causal, scaling):
 
 def _check_split(query, key, value, attend, atol_out: float, atol_lse: float) -> None:
     q_len, k_len = query.shape[-2], key.shape[-2]
-    out, lse, out_context = hf_attention.split_at_context(query, key, value, 0.125, attend)
+    out, whole_lse, lse, out_context = hf_attention.split_at_context(query, key, value, 0.125, attend)
     expected = float64_attention(query, key, value, 0.125, lower_right(q_len, k_len, query.device)).transpose(1, 2)
-    assert out.dtype == query.dtype and lse.dtype == torch.float32
+    assert out.dtype == query.dtype and lse.dtype == torch.float32 and whole_lse.dtype == torch.float32
     assert (out.double().cpu() - expected.cpu()).abs().max().item() <= atol_out
     groups = query.shape[1] // key.shape[1]
+    every_key = key.double().repeat_interleave(groups, 1)
+    logits = (query.double() @ every_key.transpose(-1, -2)) * 0.125
+    expected_whole = logits.masked_fill(~lower_right(q_len, k_len, query.device), float("-inf")).logsumexp(-1)
+    assert (whole_lse.double().cpu() - expected_whole.cpu()).abs().max().item() <= atol_lse
     context = key[:, :, : k_len - q_len].double().repeat_interleave(groups, 1)
     expected_lse = ((query.double() @ context.transpose(-1, -2)) * 0.125).logsumexp(-1)
     assert (lse.double().cpu() - expected_lse.cpu()).abs().max().item() <= atol_lse

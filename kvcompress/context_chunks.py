@@ -1,0 +1,228 @@
+"""A context prefilled in several calls under a press, compressed after the last: the cache one call would make.
+
+A long context need not run through the model in one forward: the forward's activations grow with its length (the
+MLP's ``tokens x intermediate`` tensors), and a server's other answers wait for all of it. transformers reads a
+prompt in chunks (``model.generate(..., prefill_chunk_size=C)``), but a press compresses the prefill it sees: a
+kvpress press compresses the first chunk alone and keeps every later chunk whole.
+
+``press.context_in_chunks(n)`` (:class:`ContextChunks`) tells a :class:`~kvcompress.weighted_press.
+WeightedSubsetPress` that the next ``n`` tokens prefilled into an empty cache, in any number of calls, are one
+context. In each call every full-attention layer keeps what the press's sources need from that call's queries
+(their causal log-sum-exp comes from the call's own attention, :func:`kvcompress.hf_attention.
+handing_over_prefill_rows`), and the call that reaches token ``n`` compresses every layer as one ``n``-token call
+would. The sources read so are ``"novelty"`` (the keys alone, at the end), ``"window"`` (the last
+``observation_window`` queries, carried from call to call with their normalisers and outputs) and ``"induction"``
+(each query's recall of the key after it, span by span: :func:`kvcompress.selection.recall_score`): the default
+press's. A press reading other sources (a repeat pass, sampled or all prefill queries at once) is refused, and says
+why. Calls after the context (a question, decode steps) run as after a one-call prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from transformers import DynamicCache
+
+from kvcompress._checks import check_int_range
+from kvcompress.cache import check_cache, empty_cache_restorer
+from kvcompress.hf_attention import PrefillRows, handing_over_prefill_rows
+from kvcompress.padding import real_token_rows
+from kvcompress.selection import recall_score
+
+if TYPE_CHECKING:
+    from kvcompress.weighted_press import WeightedSubsetPress
+
+CHUNKED_SOURCES = ("window", "novelty", "induction")
+
+
+class ChunkedReference(NamedTuple):
+    """What a layer hands :meth:`~kvcompress.weighted_press.WeightedSubsetPress.record_reference` in the context's
+    last call: the context's last ``t`` rows (:class:`~kvcompress.hf_attention.PrefillRows`: queries
+    ``[b, h_q, t, d]`` at positions ``n - t ..``, their causal log-sum-exp, their outputs or None) and every key's
+    induction score ``[b, h_kv, n]`` float32 (None where the press reads none)."""
+
+    rows: PrefillRows
+    induction: torch.Tensor | None
+
+
+class ContextChunks:
+    """The next ``tokens`` tokens prefilled into an empty cache, over several calls, are one context for ``press``.
+
+    Enter it inside the press's block, around all the calls (``model.generate(..., prefill_chunk_size=C)``) or
+    around each (a server's chunk between two decode steps; the state is kept between entries)::
+
+        reading = press.context_in_chunks(input_ids.shape[1])
+        with press(model), reading:
+            model.generate(input_ids, prefill_chunk_size=4096, max_new_tokens=64)
+
+    The calls must continue the context in order from an empty cache, the last one ending at token ``tokens``, with
+    no padding (``attention_mask`` all ones or None); each is checked before it runs. A call that fails puts the
+    cache back empty, and this object refuses further calls: read the context again with a new one.
+    """
+
+    def __init__(self, press: WeightedSubsetPress, tokens: int):
+        check_int_range("tokens", tokens, 1)
+        refusal = press.chunk_refusal()
+        if refusal is not None:
+            raise ValueError(f"context_in_chunks: {type(press).__name__} {refusal}")
+        sources = press.reference_sources()
+        self.press, self.tokens = press, tokens
+        self.read = 0  # context tokens in the cache
+        self.call: tuple[int, int] | None = None  # the running call's span of the context
+        self.failed = False
+        self.wants_rows = bool({"window", "induction"} & set(sources))
+        self._induction = "induction" in sources
+        self._tail_rows = press.chunk_tail_rows()
+        self._output_rows = press.prefill_output_rows()
+        self._scores: dict[int, list[torch.Tensor]] = {}
+        self._tails: dict[int, PrefillRows] = {}
+        self._stack: contextlib.ExitStack | None = None
+        self._slot = None
+        self._restore = None
+
+    @property
+    def done(self) -> bool:
+        """Whether every context token has been read (and the cache compressed)."""
+        return self.read == self.tokens
+
+    @property
+    def last_call(self) -> bool:
+        """Whether the running call ends the context."""
+        return self.call is not None and self.call[1] == self.tokens
+
+    def __enter__(self) -> ContextChunks:
+        if self.failed:
+            raise RuntimeError("context_in_chunks: a call of this context failed and its cache was put back empty; "
+                               "read the context again with a new press.context_in_chunks(...)")  # fmt: skip
+        if self.press._chunks is not None:
+            raise RuntimeError("context_in_chunks: this press already reads a context in chunks")
+        self._stack = contextlib.ExitStack()
+        if self.wants_rows:
+            self._slot = self._stack.enter_context(handing_over_prefill_rows(self._output_rows, unpadded=False))
+        self.press._chunks = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.press._chunks = None
+        self.call = None
+        stack, self._stack, self._slot = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def begin_call(self, cache, batch: int, tokens: int, attention_mask, device: torch.device) -> bool:
+        """The decoder's pre-hook: check a call of ``tokens`` tokens and start it; False for a call after the
+        context (read as usual)."""
+        if self.done:
+            return False
+        if not isinstance(cache, DynamicCache):
+            raise ValueError(f"past_key_values: a context read in chunks needs one DynamicCache passed to every call, "
+                             f"got {type(cache).__name__}")  # fmt: skip
+        held = cache.get_seq_length()
+        if held != self.read:
+            raise ValueError(
+                f"context_in_chunks: the cache holds {held} tokens where {self.read} of the context's {self.tokens} "
+                f"have been read: the calls must continue the context in order, from an empty cache"
+            )
+        if self.read + tokens > self.tokens:
+            raise ValueError(
+                f"context_in_chunks: a {tokens}-token call after {self.read} of the context's {self.tokens} tokens "
+                f"runs past its end: the call that ends the context must end at token {self.tokens} (a question "
+                f"after it in a call of its own)"
+            )
+        if real_token_rows(attention_mask, batch, tokens, device) is not None:
+            raise ValueError("attention_mask: a context read in chunks has no padding (a mask of ones, or None)")
+        if self.read == 0:
+            check_cache(cache)
+            restore = empty_cache_restorer(cache)
+
+            def put_back() -> None:
+                self.failed = True
+                self._scores.clear()
+                self._tails.clear()
+                restore()
+
+            self._restore = put_back
+        self.call = (self.read, self.read + tokens)
+        if self._slot is not None:
+            self._slot.unpadded = True
+        return True
+
+    def end_call(self) -> None:
+        """The decoder's forward hook, after the call went through."""
+        self.read, self.call = self.call[1], None
+        if self._slot is not None:
+            self._slot.unpadded = False
+        if self.done:
+            self._scores.clear()
+            self._tails.clear()
+
+    def restorer(self):
+        """Puts the cache back empty and marks this reading failed (the press calls it when a call raises)."""
+        return self._restore
+
+    def add(self, layer_idx: int, rows: PrefillRows, keys: torch.Tensor, scaling: float) -> None:
+        """Keep layer ``layer_idx``'s part of the running call: its queries' recall scores of the keys after them
+        and the context's last rows so far. ``rows``: the call's queries ``[b, h_q, c, d]``, causal log-sum-exp
+        ``[b, h_q, c]`` and last outputs (or None); ``keys``: the layer's cache ``[b, h_kv, >= end, d]``."""
+        start, end = self.call
+        earlier = self._tails.get(layer_idx)
+        if self._induction:
+            if start == 0:  # key 0 is recalled by no query: 0
+                zero = torch.zeros(*keys.shape[:2], 1, dtype=torch.float32, device=keys.device)
+                span = recall_score(rows.queries[:, :, :-1], rows.lse[:, :, :-1], keys[:, :, 1:end], scaling, 1)
+                span = torch.cat([zero, span], dim=2)
+            else:  # key `start` is recalled by the earlier call's last query
+                queries = torch.cat([earlier.queries[:, :, -1:], rows.queries[:, :, :-1]], dim=2)
+                lse = torch.cat([earlier.lse[:, :, -1:], rows.lse[:, :, :-1]], dim=2)
+                span = recall_score(queries, lse, keys[:, :, start:end], scaling, start)
+            self._scores.setdefault(layer_idx, []).append(span)
+        self._tails[layer_idx] = _last_rows(earlier, rows, self._tail_rows, self._output_rows)
+
+    def reference(self, layer_idx: int) -> ChunkedReference:
+        """Layer ``layer_idx``'s :class:`ChunkedReference` once the last call has run through it."""
+        scores = self._scores.pop(layer_idx, None)
+        induction = torch.cat(scores, dim=2) if scores else None
+        return ChunkedReference(self._tails.pop(layer_idx, None), induction)
+
+
+def _last_rows(earlier: PrefillRows | None, rows: PrefillRows, count: int, outputs: int) -> PrefillRows:
+    """The last ``count`` rows of ``earlier`` followed by ``rows`` (their last ``outputs`` outputs; None where a
+    call kept none)."""
+    if earlier is None:
+        queries, lse, last = rows
+    else:
+        queries = torch.cat([earlier.queries, rows.queries], dim=2)
+        lse = torch.cat([earlier.lse, rows.lse], dim=2)
+        last = None
+        if earlier.last_outputs is not None and rows.last_outputs is not None:
+            last = torch.cat([earlier.last_outputs, rows.last_outputs], dim=2)
+        elif rows.last_outputs is not None and rows.last_outputs.shape[2] >= outputs:
+            last = rows.last_outputs
+    if last is not None:
+        last = last[:, :, -outputs:] if outputs else None
+    # copies: a view would hold the whole call's queries
+    return PrefillRows(queries[:, :, -count:].clone(), lse[:, :, -count:].clone(),
+                       None if last is None else last.clone())  # fmt: skip
+
+
+def prefill_in_chunks(
+    model, press: WeightedSubsetPress, input_ids: torch.Tensor, chunk_size: int, cache: DynamicCache | None = None
+) -> DynamicCache:
+    """Prefill the context ``input_ids [b, n]`` (no padding) under ``press`` in calls of at most ``chunk_size``
+    tokens: the cache one call under the press makes (compressed after the last call), with activations of
+    ``chunk_size`` tokens at a time. ``cache``: an empty :class:`~transformers.DynamicCache` (a new one if None)."""
+    check_int_range("chunk_size", chunk_size, 1)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        shape = getattr(input_ids, "shape", input_ids)
+        raise ValueError(f"input_ids: expected token ids [batch, tokens >= 1], got {shape}")
+    cache = DynamicCache() if cache is None else cache
+    reading = press.context_in_chunks(input_ids.shape[1])
+    decoder = model.model
+    with press(model), reading:
+        for start in range(0, input_ids.shape[1], chunk_size):
+            chunk = input_ids[:, start : start + chunk_size]
+            positions = torch.arange(start, start + chunk.shape[1], device=chunk.device).expand(chunk.shape[0], -1)
+            decoder(input_ids=chunk, past_key_values=cache, position_ids=positions, use_cache=True)
+    return cache
