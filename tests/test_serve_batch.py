@@ -1023,7 +1023,7 @@ def test_a_stored_context_reserves_its_own_rows_in_each_layer():
     """A stored context kept wider in some layers (a retrieval layer, a layer kept whole) reserves each layer's own
     rows plus the question and the answer's tokens, not its widest layer's rows in every layer (which made a context
     with a whole layer look several times its size and evicted it from the store); a context not yet prefilled is
-    one estimate for every layer."""
+    one estimate for every layer, and one read in chunks holds all its rows uncompressed until its last chunk."""
     from types import SimpleNamespace
 
     from kvcompress.serve.jobs import Job
@@ -1035,7 +1035,8 @@ def test_a_stored_context_reserves_its_own_rows_in_each_layer():
     engine = SimpleNamespace(metrics=ServerMetrics(), kept_fraction=0.25, compress_min_tokens=0,
                              context_row_bytes=300, batch_row_bytes=300, batch_session_bytes=10,
                              warm_up=lambda: None, batch_capacity=lambda rows: rows,
-                             capacity_step=1, stored=lambda ids: entry if len(ids) == 400 else None)  # fmt: skip
+                             capacity_step=1, stored=lambda ids: entry if len(ids) == 400 else None,
+                             reads_in_chunks=lambda ids: False, full_row_bytes=1000)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
     try:
         need, new_bytes, key = scheduler._estimate(Job(list(range(400)), [1, 2, 3], max_tokens=5))
@@ -1044,5 +1045,8 @@ def test_a_stored_context_reserves_its_own_rows_in_each_layer():
         engine.prefix_min_fraction, engine.model_name, engine.press_label = 0.5, "m", "p"
         need, new_bytes, key = scheduler._estimate(Job(list(range(200)), [1, 2, 3], max_tokens=5))
         assert need == (50 + 3 + 4,) and new_bytes == 50 * 300 and key is None
+        engine.reads_in_chunks = lambda ids: True  # held uncompressed until its last chunk: all 200 rows
+        need, new_bytes, key = scheduler._estimate(Job(list(range(200)), [1, 2, 3], max_tokens=5))
+        assert need == (50 + 3 + 4,) and new_bytes == 200 * 1000 and key is None
     finally:
         scheduler.stop()

@@ -61,6 +61,7 @@ class Engine:
         element = torch.finfo(model.dtype).bits // 8
         layers = config.num_hidden_layers
         self.context_row_bytes = layers * heads * (2 * head_dim * element + 4)  # K, V, Nystrom weight
+        self.full_row_bytes = layers * heads * 2 * head_dim * element  # a context row before compression
         self.batch_row_bytes = layers * heads * (2 * head_dim * element + 4)
         self.batch_session_bytes = layers * heads * head_dim * 4 * 2  # clip range, float32
         keep = 1.0 - float(getattr(press, "compression_ratio", 0.0) or 0.0) if press is not None else 1.0
@@ -147,19 +148,71 @@ class Engine:
         ended it, else its ``rows`` ready to join the decode batch."""
         return self.feed(self.begin(job))
 
+    def reads_in_chunks(self, context_ids: list[int]) -> bool:
+        """Whether this context is new and read in chunks of ``--prefill-chunk`` tokens between decode steps
+        (:mod:`kvcompress.context_chunks`): longer than a chunk, compressed (not under ``--compress-min-tokens``),
+        under a press that reads its sources call by call (the default press does; a repeat pass or a kvpress press
+        needs one call), with its uncompressed rows, held until its last chunk, within the memory budget; not
+        stored, not served by a stored earlier turn."""
+        n, press = len(context_ids), self.press
+        if press is None or n <= self.scheduler.prefill_chunk or n < self.compress_min_tokens:
+            return False
+        if not hasattr(press, "chunk_refusal") or press.chunk_refusal() is not None:
+            return False
+        if n * self.full_row_bytes > self.scheduler.memory or self.is_stored(context_ids):
+            return False
+        min_tokens = max(1, math.ceil(self.prefix_min_fraction * n))
+        return self.store.longest_prefix(tuple(context_ids), self.model_name, self.press_label, min_tokens) is None
+
     def begin(self, job: Job) -> Opening:
         """Open ``job``: its context's cache (stored, or prefilled and compressed now) and a view its question writes
-        into (the stored cache stays as it is); no question token is fed yet."""
+        into (the stored cache stays as it is); no question token is fed yet. A context that :meth:`reads_in_chunks`
+        is not read yet: :meth:`feed` reads it first, chunk by chunk."""
         started = time.perf_counter()
+        self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
+        if self.reads_in_chunks(job.context_ids):
+            self.metrics.context_misses.inc()
+            self.metrics.prefills.inc()
+            n = len(job.context_ids)
+            return Opening(job, None, _generator(job), started, reading=self.press.context_in_chunks(n),
+                           context_cache=DynamicCache(), held_bytes=n * self.full_row_bytes)  # fmt: skip
         context = self.context_cache(job.context_ids, job.rid)
         self.metrics.set_store(self.store.stats())
-        self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
         return Opening(job, answer_view(context) if job.context_ids else context, _generator(job), started)
+
+    def _read_context(self, opening: Opening, tokens: int | None) -> None:
+        """Prefill the next ``tokens`` context tokens of ``opening`` (all that are left when None) under the press;
+        after the last, the compressed context is stored and ``opening.cache`` becomes a view of it."""
+        job, reading, cache = opening.job, opening.reading, opening.context_cache
+        n, start = len(job.context_ids), reading.read
+        end = n if tokens is None else min(n, start + tokens)
+        began = time.perf_counter()
+        ids = torch.tensor([job.context_ids[start:end]], device=self.model.device)
+        positions = torch.arange(start, end, device=self.model.device).unsqueeze(0)
+        with self.press(self.model), reading:  # a call that fails puts the cache back empty, and the request fails
+            self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions)
+        opening.context_chunks += 1
+        opening.context_seconds += time.perf_counter() - began
+        self.metrics.context_chunks.inc()
+        if reading.done:
+            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s (%d chunks between decode "
+                     "steps)", job.rid, n, cache.get_seq_length(0),
+                     opening.context_seconds, opening.context_chunks)  # fmt: skip
+            self.metrics.prefill_seconds.observe(opening.context_seconds)
+            self.store.put((tuple(job.context_ids), self.model_name, self.press_label), cache, n)
+            self.metrics.set_store(self.store.stats())
+            opening.cache, opening.reading, opening.context_cache = answer_view(cache), None, None
+            opening.held_bytes = 0
 
     def feed(self, opening: Opening, tokens: int | None = None) -> Session | None:
         """Prefill the next ``tokens`` question tokens of ``opening`` (all that are left when None), at their
-        positions after the context's and the chunks before. None while some are left; after the last one, the first
-        token is sampled and streamed and the :class:`Session` returned (as :meth:`open_session` returns it)."""
+        positions after the context's and the chunks before; a context being read in chunks takes its next chunk
+        first (all of it when None). None while some are left; after the last one, the first token is sampled and
+        streamed and the :class:`Session` returned (as :meth:`open_session` returns it)."""
+        if opening.reading is not None:
+            self._read_context(opening, tokens)
+            if tokens is not None or opening.reading is not None:
+                return None
         job, device = opening.job, self.model.device
         n_ctx, n_q = len(job.context_ids), len(job.question_ids)
         end = n_q if tokens is None else min(n_q, opening.fed + tokens)

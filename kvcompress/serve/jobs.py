@@ -120,8 +120,9 @@ class Session:
 @dataclass
 class Opening:
     """A request between its admission and its first token: its cache (the context's, then the question chunks fed so
-    far) and how far its question prefill got. A long question is fed in chunks between decode steps
-    (:class:`~kvcompress.serve.scheduler.Scheduler`), so the sessions decoding meanwhile keep streaming."""
+    far) and how far its question prefill got. A long question, and before it a long new context, is fed in chunks
+    between decode steps (:class:`~kvcompress.serve.scheduler.Scheduler`), so the sessions decoding meanwhile keep
+    streaming."""
 
     job: Job
     cache: Any
@@ -132,3 +133,10 @@ class Opening:
     chunks: int = 0
     seconds: float = 0.0  # question prefill time so far
     logits: torch.Tensor | None = None  # [vocab] after the last chunk: the first token's (its other choices share it)
+    # A new context read in chunks before the question (kvcompress.context_chunks): its reading, the cache it fills
+    # (``cache`` is None until its last chunk has run and it is stored), the uncompressed bytes it holds meanwhile
+    reading: Any = None
+    context_cache: Any = None
+    held_bytes: int = 0
+    context_chunks: int = 0
+    context_seconds: float = 0.0

@@ -1,6 +1,7 @@
 """The server's memory budget, as the :class:`~kvcompress.serve.scheduler.Scheduler` keeps it.
 
-One budget (``--cache-memory``) for everything resident: the stored contexts plus the decode batch. A
+One budget (``--cache-memory``) for everything resident: the stored contexts plus the decode batch, plus the
+uncompressed rows of a new context being read in chunks (held from its first chunk to its last). A
 session reserves its whole answer when it joins (rows of its context and question + ``max_tokens``), in each layer
 padded to the longest session of the batch there (each layer of the batch is rectangular), so a step never needs
 memory it does not hold. Before its prefill, a request's rows are estimated from the press's kept fraction (all its
@@ -65,6 +66,8 @@ class MemoryBudget:
             short = len(job.context_ids) < e.compress_min_tokens  # kept whole
             rows = (len(job.context_ids) if short else math.ceil(len(job.context_ids) * e.kept_fraction),)
             new_bytes = rows[0] * e.context_row_bytes
+            if not peek and e.reads_in_chunks(job.context_ids):  # held uncompressed until its last chunk
+                new_bytes = max(new_bytes, len(job.context_ids) * e.full_row_bytes)
             if not peek and job.context_ids:  # a stored earlier turn of this chat is used, not evicted
                 min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))
                 prefix = e.store.longest_prefix(tuple(job.context_ids), e.model_name, e.press_label, min_tokens)
@@ -96,7 +99,8 @@ class MemoryBudget:
             if sessions and (sessions + 1) * max(capacity) > self.max_batch_tokens:
                 return False
             sessions += 1
-        batch = self._batch_bytes(sessions, capacity)
+        held = self._opening.held_bytes if self._opening is not None else 0  # a context being read, uncompressed
+        batch = self._batch_bytes(sessions, capacity) + held
         if batch > self.memory and sessions > 1:
             return False
         if not evict:

@@ -14,25 +14,30 @@ whole, up to C tokens of them a round, and pass the request opening in chunks (a
 the whole long question). Why chunks run between decode steps, not inside them: the decode step keeps
 one token per row, the fixed shape a static cache and one CUDA graph per batch-size bucket need. Chunking costs
 little: each chunk re-reads the rows before it, a question's prefill is the same attention split in C-token
-pieces (its logits equal the one-shot prefill's to rounding). A context's prefill and compression is not chunked:
-the press needs the whole context (the prefill budget below paces it instead).
+pieces (its logits equal the one-shot prefill's to rounding).
 
-Admission policy (the prefill budget, ``--decode-per-prefill`` R). A context prefill (and compression) cannot
-be chunked and stalls every decoding session for its whole length, while a decode step serves all of them at
-once; so the worker alternates the two under a budget: while sessions decode, the next context prefill waits
-until the batch has decoded for R times the previous prefill's seconds, and at least one step (context prefills
-take at most 1/(1+R) of the worker's time while the batch is not empty). With no session decoding a prefill
-runs at once. A request whose context is stored (a follow-up: a question prefill of about one decode step) is
-not held back by the budget: it passes the new contexts that wait for it, and joins the batch at once; nothing
-passes a request that waits for memory, so none starves. Why this and which R: on a closed load (users who send
-their next question after the answer) the total work is fixed, so the aggregate tokens/s is best when every step
-decodes as many sessions as possible, i.e. when new contexts join as early as possible: R = 0 (measured on CPU,
-docs/BENCHMARKS.md: 8 users, 512-token contexts: R = 0 gave about twice the aggregate tokens/s of R = 1, whose
-batches stayed small while new contexts waited). A larger R gives the running answers smoother streams (an
-answer is no longer held to one token per prefill while a burst of new contexts is prefilled) and lets
-follow-ups in sooner, at the cost of new contexts' time to first token and of smaller batches; it pays when
-prefills dominate and answers must finish early (2048-token contexts of ~35-s prefills, no new question after
-120 s: R = 1 gave 1.4x the aggregate tokens/s of R = 0, whose answers all waited for every context's prefill).
+A new context longer than C tokens is read the same way, before its question: C tokens a round, one such request at
+a time (it takes the place of a long question), under the press, which compresses it after its last chunk as one
+call would (:mod:`kvcompress.context_chunks`; the default press reads its sources chunk by chunk; a press that needs
+the whole context at once, a repeat pass or a kvpress press, reads it in one call). Its uncompressed rows count
+against the memory budget until then (:mod:`kvcompress.serve.memory`).
+
+Admission policy (the prefill budget, ``--decode-per-prefill`` R). A context prefill (and compression) read in one
+call stalls every decoding session for its whole length, while a decode step serves all of them at once; so the
+worker alternates the two under a budget (a context read in chunks books all its chunks' seconds as one prefill):
+while sessions decode, the next context prefill waits until the batch has decoded for R times the previous prefill's
+seconds, and at least one step (context prefills take at most 1/(1+R) of the worker's time while the batch is not
+empty). With no session decoding a prefill runs at once. A request whose context is stored (a follow-up: a question
+prefill of about one decode step) is not held back by the budget: it passes the new contexts that wait for it, and
+joins the batch at once; nothing passes a request that waits for memory, so none starves. Why this and which R: on a
+closed load (users who send their next question after the answer) the total work is fixed, so the aggregate tokens/s
+is best when every step decodes as many sessions as possible, i.e. when new contexts join as early as possible: R =
+0 (measured on CPU, docs/BENCHMARKS.md: 8 users, 512-token contexts: R = 0 gave about twice the aggregate tokens/s
+of R = 1, whose batches stayed small while new contexts waited). A larger R gives the running answers smoother
+streams (an answer is no longer held to one token per prefill while a burst of new contexts is prefilled) and lets
+follow-ups in sooner, at the cost of new contexts' time to first token and of smaller batches; it pays when prefills
+dominate and answers must finish early (2048-token contexts of ~35-s prefills, no new question after 120 s: R = 1
+gave 1.4x the aggregate tokens/s of R = 0, whose answers all waited for every context's prefill).
 
 A request's ``n`` choices share one question prefill: when the first choice's question has run, the others still
 waiting take its rows and first-token logits and sample their own first tokens. Memory (what a session reserves,
@@ -192,8 +197,9 @@ class Scheduler(MemoryBudget):
         for job in jobs:
             if job.cancelled.is_set():
                 continue
-            if len(job.question_ids) > budget and (self._opening is not None or budget < self.prefill_chunk):
-                continue  # not this round (``budget`` question tokens left of it); shorter questions pass it
+            long = len(job.question_ids) > budget or self.engine.reads_in_chunks(job.context_ids)
+            if long and (self._opening is not None or budget < self.prefill_chunk):
+                continue  # not this round (``budget`` question tokens left of it); shorter ones pass it
             if cold_ok or self.engine.is_stored(job.context_ids) or not job.context_ids:
                 return job
             if not self._fits(joining, self._estimate(job, peek=True)[0], 0, None, evict=False):
@@ -237,13 +243,13 @@ class Scheduler(MemoryBudget):
             start = time.perf_counter()
             try:
                 opening = self.engine.begin(job)
-                if cold:
+                if cold and opening.reading is None:  # one call (a context read in chunks is booked when read)
                     self._prefilled(job, time.perf_counter() - start)
-                session = self.engine.feed(opening, self.prefill_chunk)
+                session = self._feed(opening)
             except Exception as err:  # noqa: BLE001
                 self._failed(job, err)
                 continue
-            budget -= opening.fed
+            budget -= opening.fed + (opening.reading.read if opening.reading is not None else 0)
             opening.need = need  # held while the rest of a long question is fed, one chunk between two decode steps
             self._fed(opening, session, joining)
         if joining:
@@ -261,15 +267,25 @@ class Scheduler(MemoryBudget):
         job = opening.job
         if job.cancelled.is_set():
             self.metrics.cancelled.inc()
-            log.info("request %s cancelled by the client after %d of %d question tokens", job.rid, opening.fed,
-                     len(job.question_ids))
+            context = "" if opening.reading is None else f"{opening.reading.read} of {len(job.context_ids)} context "
+            log.info("request %s cancelled by the client after %s%d of %d question tokens", job.rid, context,
+                     opening.fed, len(job.question_ids))
             return
         try:
-            session = self.engine.feed(opening, self.prefill_chunk)
+            session = self._feed(opening)
         except Exception as err:  # noqa: BLE001
             self._failed(job, err)
             return
         self._fed(opening, session, joining)
+
+    def _feed(self, opening: Opening) -> Session | None:
+        """The next chunk of ``opening`` (its context's while one is read in chunks, then its question's); a context
+        read to its end is booked against the prefill budget as one prefill of all its chunks' seconds."""
+        reading = opening.reading is not None
+        session = self.engine.feed(opening, self.prefill_chunk)
+        if reading and opening.reading is None:
+            self._prefilled(opening.job, opening.context_seconds)
+        return session
 
     def _fed(self, opening: Opening, session: Session | None, joining: list[Session]) -> None:
         """After a chunk of ``opening``'s question: it opens on in chunks (``session`` None), or its session and its

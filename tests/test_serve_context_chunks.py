@@ -1,0 +1,183 @@
+"""The server reads a long new context in chunks between decode steps (``--prefill-chunk``, kvcompress.context_chunks):
+the stored context, first-token logits and session rows of the one-call prefill; one chunk between two decode steps,
+shorter requests passing it; a real server answering as without chunks."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+
+from tests.serve_helpers import running_server
+from tests.test_serve_prefill_chunks import _engine
+from tests.tiny_models import tiny_model
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@torch.no_grad()
+def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(family):
+    """A 300-token context and a 10-token question, on engines with 64-token chunks and with 512: the chunked one
+    reads the context in 5 calls (64, ..., 300), then the question; its stored context (every layer's rows, weights,
+    clip range), first-token logits and session rows agree with the one-call engine's within float64 rounding
+    (kvcompress.context_chunks: the same press on the same rows, sums in another order). gemma3: 16-token sliding
+    layers."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.jobs import Job
+
+    overrides = {"sliding_window": 16} if family == "gemma3" else {}
+    model = tiny_model(family, dtype=torch.float64, seed=3, **overrides)
+    use_weighted_attention(model)
+    g = torch.Generator().manual_seed(11)
+    context = torch.randint(0, 256, (300,), generator=g).tolist()
+    question = torch.randint(0, 256, (10,), generator=g).tolist()
+    results = {}
+    for chunk in (64, 512):
+        engine = _engine(model, make_press("compresskv", 0.5, 0), prefill_chunk=chunk, compress_min_tokens=0)
+        logits = []
+        real_advance = engine.advance
+        engine.advance = lambda session, token, scores: (logits.append(scores.clone()),  # noqa: B023
+                                                         real_advance(session, token, scores))[1]  # noqa: B023
+        try:
+            opening = engine.begin(Job(context, question, max_tokens=4, temperature=0))
+            assert (opening.reading is not None) == (chunk == 64)
+            read = []
+            while (session := engine.feed(opening, chunk)) is None:
+                read.append(opening.reading.read if opening.reading is not None else ("question", opening.fed))
+            stored = engine.stored(context).cache
+            results[chunk] = (stored, logits[0], session)
+            if chunk == 64:
+                assert read == [64, 128, 192, 256, ("question", 0)]  # the last context chunk, then the question
+                assert opening.context_chunks == 5 and engine.metrics.context_chunks._value.get() == 5
+                assert opening.held_bytes == 0 and max(layer.keys.shape[-2] for layer in stored.layers) <= 150
+        finally:
+            engine.shutdown()
+    (stored, logits, session), (stored_one, logits_one, session_one) = results[64], results[512]
+    for mine, one in zip(stored.layers, stored_one.layers, strict=True):
+        assert type(mine) is type(one)
+        for name in ("keys", "values", "row_weights", "value_min", "value_max"):
+            if hasattr(one, name):
+                torch.testing.assert_close(getattr(mine, name), getattr(one, name), rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits, logits_one, rtol=0, atol=1e-10)
+    assert session.position == session_one.position == 310 and session.need == session_one.need
+    for mine, one in zip(session.rows, session_one.rows, strict=True):
+        for name in ("keys", "values", "weights", "v_min", "v_max"):
+            torch.testing.assert_close(getattr(mine, name), getattr(one, name), rtol=0, atol=1e-10)
+
+
+@torch.no_grad()
+def test_context_chunks_run_between_decode_steps_and_the_stored_context_serves_the_next_request():
+    """16-token chunks: A (no context) decodes 40 tokens; E (a 10-token question) and B (a new 100-token context, a
+    5-token question) arrive together after its first step, and B's context waits for the next round (E fed 10 of
+    its 16 tokens), then is read in 7 chunks, one between two decode steps; C (a short question, no context), sent
+    after B's second chunk, opens while B's context is read; D (B's context again, after it) takes the stored
+    context: no context call of its own. The uncompressed rows B holds while its context is read count against the
+    memory budget (``held_bytes``) until its last chunk."""
+    from kvcompress.registry import make_press
+    from kvcompress.serve.jobs import Job
+
+    model = tiny_model("llama", seed=5)
+    engine = _engine(model, make_press("compresskv", 0.5, 0), prefill_chunk=16, compress_min_tokens=0)
+    g = torch.Generator().manual_seed(2)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    document = ids(100)
+    jobs = {name: Job(context, ids(n), max_tokens=tokens, temperature=0, rid=name)
+            for name, context, n, tokens in (("A", [], 3, 40), ("E", [], 10, 2), ("B", document, 5, 3),
+                                             ("C", [], 4, 5))}  # fmt: skip
+    calls, closed, done, held = [], {}, threading.Event(), []
+    feed, decode, close = engine.feed, engine.decode, engine.close
+
+    def fed(opening, tokens=None):
+        before = opening.reading.read if opening.reading is not None else None
+        session = feed(opening, tokens)
+        held.append((opening.job.rid, opening.held_bytes))
+        calls.append(("context" if before is not None else "question", opening.job.rid))
+        if calls.count(("context", "B")) == 2 and before is not None:  # C arrives while B's context is read
+            engine.submit([jobs["C"]])
+        return session
+
+    def decoded(batch, tokens, positions):
+        calls.append(("decode", len(tokens)))
+        if calls.count(("decode", 1)) == 1 and len(calls) == 2:  # after A's first step: E, then B
+            engine.submit([jobs["E"], jobs["B"]])
+        return decode(batch, tokens, positions)
+
+    def closed_one(session, batch=1):
+        closed[session.job.rid] = len(session.ids)
+        close(session, batch)
+        if session.job.rid == "B":
+            engine.submit([Job(document, ids(2), max_tokens=2, temperature=0, rid="D")])
+        if len(closed) == 5:
+            done.set()
+
+    engine.feed, engine.decode, engine.close = fed, decoded, closed_one
+    try:
+        engine.submit([jobs["A"]])
+        assert done.wait(120), calls
+    finally:
+        engine.shutdown()
+    assert closed == {"A": 40, "B": 3, "C": 5, "D": 2, "E": 2}
+    context_calls = [i for i, call in enumerate(calls) if call == ("context", "B")]
+    assert len(context_calls) == 7 and engine.metrics.context_chunks._value.get() == 7
+    for before, after in zip(context_calls, context_calls[1:], strict=False):
+        assert any(call[0] == "decode" for call in calls[before:after]), calls
+    assert ("context", "D") not in calls and ("question", "D") in calls
+    rounds, current = [], []  # the feed calls between two decode steps
+    for call in calls:
+        if call[0] == "decode":
+            rounds.append(current)
+            current = []
+        else:
+            current.append(call)
+    e_round = next(feeds for feeds in rounds if ("question", "E") in feeds)
+    assert e_round == [("question", "E")]  # B's context waits for a round that fed nothing (E's 10 tokens took it)
+    assert max(sum(call[0] == "context" for call in calls_) for calls_ in rounds) == 1
+    first_c = calls.index(("question", "C"))
+    assert context_calls[0] < first_c < context_calls[-1]  # C passed B's context
+    b_held = [held_bytes for rid, held_bytes in held if rid == "B"]
+    assert b_held[:6] == [100 * engine.full_row_bytes] * 6 and b_held[6:] == [0, 0]  # until the last chunk
+    assert engine.metrics.prefills._value.get() == 1
+
+
+@pytest.mark.slow
+def test_a_server_reads_a_long_context_in_chunks_beside_a_stream(embedded_dir, tmp_path):
+    """A real server, ``--prefill-chunk 128``: a document of ~700 tokens as the context part of a message, sent while
+    another answer streams, is read in ceil(n / 128) chunks (the log and ``/metrics``), and both get the answers a
+    server reading it in one call (``--prefill-chunk 100000``) gives them."""
+    import concurrent.futures
+
+    import httpx
+
+    from tests.serve_helpers import API_KEY
+    from tests.test_serve import client, contexts, doc_question
+
+    document = " ".join(contexts(2, tokens=340))
+    story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+    def ask(base, chat, max_tokens):
+        reply = client(base).chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
+                                                     max_tokens=max_tokens)
+        return reply.choices[0].message.content
+
+    answers = {}
+    for chunk in (128, 100000):
+        log_path = tmp_path / f"server_{chunk}.log"
+        with running_server(["--prefill-chunk", str(chunk), "--log-level", "info"], log_path) as base:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                streaming = pool.submit(ask, base, story, 48)
+                long = pool.submit(ask, base, doc_question(document, "What is this text about?"), 12)
+                answers[chunk] = (streaming.result(), long.result())
+            metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        found = re.findall(r"prefill\+compress: (\d+) context tokens -> \d+ rows in [\d.]+ s(?: \((\d+) chunks)?",
+                           log_path.read_text())
+        tokens, chunks = max((int(n), int(k or 1)) for n, k in found)
+        assert tokens > 600
+        counted = float(re.search(r"^kvcompress_context_chunks_total (\S+)$", metrics, re.M).group(1))
+        if chunk == 128:
+            assert chunks == -(-tokens // 128) and counted == chunks
+        else:
+            assert chunks == 1 and counted == 0
+    assert answers[128] == answers[100000]
+
