@@ -88,8 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode steps, and new questions take at most C tokens a step beside it, so the answers "
                         "streaming meanwhile are held up about two chunks a step, not for whole questions (a "
                         "one-part chat message, a pasted document, is all question under --chat-context parts); "
-                        "smaller: smoother streams, larger: long questions' first tokens sooner and fuller batches "
-                        "(an integer >= 1; default 512)")
+                        "a new context longer than C is read the same way and compressed after its last chunk, "
+                        "as one call would compress it, under a press that reads its sources chunk by chunk (the "
+                        "default press; a repeat pass or a kvpress press reads it in one call); smaller: smoother "
+                        "streams, larger: long prompts' first tokens sooner and fuller batches (an integer >= 1; "
+                        "default 512)")
     p.add_argument("--compress-min-tokens", type=int, default=COMPRESS_MIN_TOKENS, metavar="N",
                    help="a context shorter than N tokens is stored whole, never compressed: a system prompt or a "
                         "short chat history saves little memory compressed and can lose what it says (an "
