@@ -1,10 +1,14 @@
-"""The server's worker when a long question arrives while sessions decode (docs/BENCHMARKS.md, "Question prefill in
-chunks"): ``python -m eval.probe_prefill_chunks [--layers 4] [--sessions 8] [--context 4096] [--question 8192]
-[--chunks 0 2048 512 128] [--output F]``.
+"""The server's worker when a long question (or a long new context) arrives while sessions decode
+(docs/BENCHMARKS.md, "Question prefill in chunks", "Contexts read in chunks"): ``python -m eval.probe_prefill_chunks
+[--layers 4] [--sessions 8] [--context 4096] [--question 8192] [--chunks 0 2048 512 128] [--arrives question|context]
+[--output F]``.
 
 A random-weight Qwen2.5-7B-shaped model (``eval.speed``'s config, ``--layers`` of its 28 layers, bf16 on CUDA)
 behind the server's :class:`~kvcompress.serve.engine.Engine`: no press (the contexts stay whole: what is measured is
-the worker's schedule, not the compression), a stub tokenizer (requests are token ids), eager decode steps. Per
+the worker's schedule, not the compression), a stub tokenizer (requests are token ids), eager decode steps. With
+``--arrives context`` the arriving request's ``--question`` tokens are a new context and a 16-token question comes
+after them, under the default press (25% kept), which reads it in ``--prefill-chunk`` pieces and compresses it after
+the last. Per
 ``--chunks`` entry (the server's ``--prefill-chunk``; 0: none, the question in one piece), ``--sessions`` requests
 of ``--context`` tokens and a 16-token question decode greedily when one request with a ``--question``-token
 question arrives. Reported per entry: the median decode step before it arrived, the longest gap between two decode
@@ -43,8 +47,11 @@ def one_chunk_size(model, args: argparse.Namespace, chunk: int) -> dict:
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    from kvcompress import CompressKVPress
+
+    press = CompressKVPress(compression_ratio=0.75) if args.arrives == "context" else None
     engine = Engine(model, SimpleNamespace(eos_token_id=None, decode=lambda ids, skip_special_tokens=True: ""),
-                    model_name="m", press=None, press_label="none", store=ContextStore(1 << 40),
+                    model_name="m", press=press, press_label="default", store=ContextStore(1 << 40),
                     metrics=ServerMetrics(), max_batch=args.sessions + 1, max_queue=args.sessions + 1,
                     compile_decode="off", prefill_chunk=chunk or args.question, memory=1 << 40)
     engine.eos_ids = set()  # random weights: the sessions decode until cancelled
@@ -82,7 +89,8 @@ def one_chunk_size(model, args: argparse.Namespace, chunk: int) -> dict:
         steady_from = len(steps)  # every session decoding, no context prefill between two steps any more
         wait_for(lambda: len(steps) >= steady_from + args.warmup, 600, "no warm-up steps")
         arrival, before = time.perf_counter(), len(steps)
-        engine.submit([Job([], ids(args.question), max_tokens=1, temperature=0, rid="long")])
+        long = ([], ids(args.question)) if args.arrives == "question" else (ids(args.question), ids(16))
+        engine.submit([Job(*long, max_tokens=1, temperature=0, rid="long")])
         wait_for(lambda: first and steps[-1] > first[0], 600, "no first token and step after it")
     finally:
         for job in decoding:
@@ -111,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 2048, 512, 128],
                    help="--prefill-chunk values (0: the question in one piece)")
     p.add_argument("--warmup", type=int, default=8, help="decode steps before the question arrives")
+    p.add_argument("--arrives", choices=("question", "context"), default="question",
+                   help="what the --question tokens are: a question (no press), or a new context read under the "
+                        "default press, with a 16-token question after it")
     p.add_argument("--output", help="JSON file for the numbers")
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu (smoke: not a measurement)",
         "layers": args.layers, "sessions": args.sessions, "context": args.context, "question": args.question,
+        "arrives": args.arrives,
         "runs": [one_chunk_size(model, args, chunk) for chunk in args.chunks],
     }
     print_and_write(result, args.output)

@@ -19,3 +19,17 @@ def test_the_smoke_run_reports_each_chunk_sizes_schedule(tmp_path):
     assert runs[1]["steps_until_first_token"] >= 4  # a decode step between every two chunks
     for r in runs:
         assert 0 < r["median_step_ms_before"] and 0 < r["longest_gap_ms"] and 0 < r["ttft_ms"]
+
+
+def test_the_smoke_run_reads_an_arriving_context_in_chunks(tmp_path):
+    """``--arrives context``: the 300 tokens are a new context under the default press, read in ceil(300 / 64) chunks
+    and then its 16-token question (one feed more); without chunks, one call and the question."""
+    from eval.probe_prefill_chunks import main
+
+    out = tmp_path / "chunks.json"
+    assert main(["--smoke", "--layers", "2", "--sessions", "2", "--context", "48", "--question", "300", "--chunks",
+                 "0", "64", "--arrives", "context", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["arrives"] == "context"
+    assert [r["chunks_fed"] for r in result["runs"]] == [1, 5 + 1]  # ceil(300 / 64) context chunks, the question
+    assert result["runs"][1]["steps_until_first_token"] >= 5
