@@ -42,6 +42,10 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
         assert by_name[name]["repeat_forward_s"] > 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
     for name in ("default", "calibrated", "window", "context", "accumulated"):
         assert by_name[name]["repeat_forward_s"] == 0 and by_name[name]["mass_s"] > 0 and by_name[name]["fit_s"] > 0
+    for name in ("none_chunks", "default_chunks"):  # 320 tokens in 4 calls of 80
+        assert by_name[name]["repeat_forward_s"] == 0
+    assert by_name["default_chunks"]["mass_s"] > 0 and by_name["default_chunks"]["fit_s"] > 0
+    assert by_name["none_chunks"]["mass_s"] == by_name["none_chunks"]["fit_s"] == 0
     nofit = by_name["default_nofit"]
     assert by_name["window_nofit"]["fit_s"] == nofit["fit_s"] == 0 < nofit["mass_s"]
     mass = data["prefill_breakdown"]["mass"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,34 @@ def build_model(cfg: Config, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
+class Chunked(NamedTuple):
+    """A setting whose context is prefilled in calls of ``chunk`` tokens, or a quarter of it if that is fewer
+    (:func:`kvcompress.prefill_in_chunks` under ``press``; without one, the plain calls)."""
+
+    press: Any
+    chunk: int = 4096
+
+    def size(self, tokens: int) -> int:
+        return min(self.chunk, -(-tokens // 4))
+
+
 def prefill(model, press, ids: torch.Tensor):
-    """Prefill ``ids`` into a fresh DynamicCache (under ``press`` when given), like kvpress's pipeline."""
+    """Prefill ``ids`` into a fresh DynamicCache (under ``press`` when given), like kvpress's pipeline; a
+    :class:`Chunked` press in its chunks."""
     from transformers import DynamicCache
 
+    from kvcompress import prefill_in_chunks
+
     cache = DynamicCache()
+    if isinstance(press, Chunked):
+        chunk = press.size(ids.shape[1])
+        if press.press is not None:
+            return prefill_in_chunks(model, press.press, ids, chunk)
+        for start in range(0, ids.shape[1], chunk):
+            piece = ids[:, start : start + chunk]
+            positions = torch.arange(start, start + piece.shape[1], device=ids.device).unsqueeze(0)
+            model.model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True)
+        return cache
     if press is None:
         model.model(input_ids=ids, past_key_values=cache, use_cache=True)
     else:

@@ -33,6 +33,7 @@ import torch
 
 from eval.speed.clock import Clock, Notes, release
 from eval.speed.config import Config
+from eval.speed.e2e import Chunked
 from kvcompress import CompressKVPress, UniformPress, registry
 
 # name -> CompressKVPress fields (None: built by make_setting; "preset": a named setting's fields changed);
@@ -67,6 +68,10 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     # balanced()'s second reading halved: the most novel eighth in pieces of 8 tokens (KVzip's answers, BENCHMARKS)
     "balanced_eighth": dict(preset="balanced", repeat_fraction=0.125, repeat_span=8),
     "repeat_quarter": dict(reference=("window", "repeat"), repeat_fraction=0.25),
+    # the context prefilled in calls of 4096 tokens (a quarter of it if fewer; kvcompress.prefill_in_chunks): the
+    # peak without one whole-context forward's activations, but every layer's full rows until the last call
+    "none_chunks": dict(chunks_of="none"),
+    "default_chunks": dict(chunks_of="default"),
 }
 TORCH_MASS_MAX = 8192 * 8192  # the chunked torch path is timed on CUDA up to this many query-key pairs (~1 s)
 STAGES = ("forward_s", "repeat_forward_s", "mass_s", "selection_s", "fit_s", "peak_gib")
@@ -75,6 +80,8 @@ STAGES = ("forward_s", "repeat_forward_s", "mass_s", "selection_s", "fit_s", "pe
 def make_setting(name: str, cfg: Config):
     """The press of one setting at this run's kept fraction and seed (None: no press)."""
     ratio = 1.0 - cfg.kept
+    if SETTINGS.get(name) and "chunks_of" in SETTINGS[name]:
+        return Chunked(make_setting(SETTINGS[name]["chunks_of"], cfg))
     if name == "none":
         return None
     if name == "snapkv":
