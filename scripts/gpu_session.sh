@@ -66,7 +66,7 @@ DEADLINE_S=${DEADLINE_S:-540}
 DECODE_LAYERS=${DECODE_LAYERS:-4}
 DECODE_CONTEXTS=${DECODE_CONTEXTS:-32768}
 DECODE_BATCHES=${DECODE_BATCHES:-1 8}
-SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_nofit calibrated default_overlap balanced balanced_overlap balanced_eighth thorough kvzip window_sum none_chunks default_chunks}
+SETTINGS_32K=${SETTINGS_32K:-none snapkv default default_nofit calibrated default_overlap balanced balanced_overlap balanced_eighth thorough kvzip window_sum}
 SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced none_chunks default_chunks}
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default default_nofit balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
@@ -152,9 +152,9 @@ head -5 "$OUT/bench_fit.log" 2>/dev/null
 grep -A14 "TFLOP/s" "$OUT/bench_fit.log" 2>/dev/null
 
 # shellcheck disable=SC2086
-step prefill_65536 150 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
+step prefill_65536 200 $PY -m eval.speed --only prefill --breakdown-lengths 65536 --e2e-repeats 1 \
     --breakdown-settings $SETTINGS_64K --output "$OUT/prefill_65536.json"
-grep -A8 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
+grep -A10 "breakdown per setting" "$OUT/prefill_65536.log" 2>/dev/null
 
 step prefill_chunks 90 $PY -m eval.probe_prefill_chunks --layers "$DECODE_LAYERS" --output "$OUT/prefill_chunks.json"
 tail -45 "$OUT/prefill_chunks.log" 2>/dev/null
