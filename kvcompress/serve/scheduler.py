@@ -188,8 +188,8 @@ class Scheduler(MemoryBudget):
         context prefills back, a request whose context is stored (a follow-up: only its question to prefill)
         passes the contexts waiting for their prefill; a question longer than what is left of this round's new
         question tokens (``budget``) waits, unless the round has fed none and no request opens in chunks (it then
-        opens in chunks), and shorter ones pass it. Nothing passes a request that waits for memory, so no
-        request starves."""
+        opens in chunks), and shorter ones pass it (a new context read in chunks waits the same way). Nothing
+        passes a request that waits for memory, so no request starves."""
         cold_ok = self._may_prefill(joining)
         with self._cond:
             self._drop_cancelled()
@@ -197,8 +197,8 @@ class Scheduler(MemoryBudget):
         for job in jobs:
             if job.cancelled.is_set():
                 continue
-            long = len(job.question_ids) > budget or self.engine.reads_in_chunks(job.context_ids)
-            if long and (self._opening is not None or budget < self.prefill_chunk):
+            crowded = self._opening is not None or budget < self.prefill_chunk  # (the store is read only then)
+            if crowded and (len(job.question_ids) > budget or self.engine.reads_in_chunks(job.context_ids)):
                 continue  # not this round (``budget`` question tokens left of it); shorter ones pass it
             if cold_ok or self.engine.is_stored(job.context_ids) or not job.context_ids:
                 return job
