@@ -27,9 +27,10 @@ from transformers import DynamicCache
 
 from kvcompress._checks import check_int_range
 from kvcompress.cache import check_cache, empty_cache_restorer
-from kvcompress.hf_attention import PrefillRows, handing_over_prefill_rows
+from kvcompress.hf_attention import PrefillRows, handing_over_prefill_rows, take_prefill_rows
 from kvcompress.padding import real_token_rows
-from kvcompress.selection import recall_score
+from kvcompress.reference import post_rope_queries
+from kvcompress.selection import causal_row_lse, recall_score
 
 if TYPE_CHECKING:
     from kvcompress.weighted_press import WeightedSubsetPress
@@ -185,6 +186,55 @@ class ContextChunks:
         scores = self._scores.pop(layer_idx, None)
         induction = torch.cat(scores, dim=2) if scores else None
         return ChunkedReference(self._tails.pop(layer_idx, None), induction)
+
+
+class ContextChunkHooks:
+    """The press's side of a context read in chunks, for :class:`~kvcompress.weighted_press.WeightedSubsetPress`
+    (a mixin: it reads the press's ``_chunks``, ``reference_sources``, ``plan`` and sets ``_restore``,
+    ``_attention_mask``, ``_rows`` and ``_prefilled``): what the press refuses, each call's start (the decoder's
+    pre-hook) and each layer's part of it (the layer's hook)."""
+
+    def chunk_refusal(self) -> str | None:
+        """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None."""
+        others = [source for source in self.reference_sources() if source not in CHUNKED_SOURCES]
+        if others:
+            return (f"reads reference={others} (all prefill queries at once or a second pass over the context); "
+                    f"a context read in chunks gives {list(CHUNKED_SOURCES)}")  # fmt: skip
+        return None
+
+    def chunk_tail_rows(self) -> int:
+        """How many of the context's last queries a context read in chunks carries from call to call (at least the
+        one the induction score of the next call's first key needs)."""
+        return 1
+
+    def context_in_chunks(self, tokens: int) -> ContextChunks:
+        """The next ``tokens`` tokens prefilled into an empty cache, in several calls, are one context, compressed
+        after the last as one call would be (:class:`kvcompress.context_chunks.ContextChunks`; ValueError naming
+        the reason where this press's sources need the whole prefill at once)."""
+        return ContextChunks(self, tokens)
+
+    def _begin_chunk(self, cache, tokens: torch.Tensor, mask) -> None:
+        """A call while the press reads a context in chunks (:mod:`kvcompress.context_chunks`): checked and started
+        there; a call of the context puts the cache back empty if it fails, and its last call is a prefill this
+        press compresses (sliding layers cut after it)."""
+        chunks = self._chunks
+        if chunks.begin_call(cache, tokens.shape[0], tokens.shape[1], mask, tokens.device):
+            self._restore = chunks.restorer()
+            self._attention_mask, self._rows = None, None  # checked: no padding
+            self._prefilled = chunks.last_call and self.plan(chunks.tokens) is not None
+
+    def _read_chunk(self, module: torch.nn.Module, kwargs: dict, cache, chunks: ContextChunks) -> None:
+        """One call of a context read in chunks, through layer ``module``: its queries' part of the references,
+        from what its attention handed over (else from its hidden states, the normalisers computed here)."""
+        if not chunks.wants_rows:
+            return
+        hidden, keys = kwargs["hidden_states"], cache.layers[module.layer_idx].keys
+        rows = take_prefill_rows(module.layer_idx)
+        if rows is None or rows.queries.shape[-2] != hidden.shape[1]:
+            queries = post_rope_queries(module, hidden, kwargs["position_embeddings"])
+            lse = causal_row_lse(queries, keys, module.scaling, first=chunks.call[0])
+            rows = PrefillRows(queries, lse, None)
+        chunks.add(module.layer_idx, rows, keys, module.scaling)
 
 
 def _last_rows(earlier: PrefillRows | None, rows: PrefillRows, count: int, outputs: int) -> PrefillRows:

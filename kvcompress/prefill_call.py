@@ -57,16 +57,6 @@ class PrefillCallHooks:
                 tokens = ids if ids is not None else argument("inputs_embeds", 4)
                 self._begin_chunk(argument("past_key_values", 3), tokens, mask)
 
-    def _begin_chunk(self, cache, tokens: torch.Tensor, mask) -> None:
-        """A call while the press reads a context in chunks (:mod:`kvcompress.context_chunks`): checked and started
-        there; a call of the context puts the cache back empty if it fails, and its last call is a prefill this
-        press compresses (sliding layers cut after it)."""
-        chunks = self._chunks
-        if chunks.begin_call(cache, tokens.shape[0], tokens.shape[1], mask, tokens.device):
-            self._restore = chunks.restorer()
-            self._attention_mask, self._rows = None, None  # checked: no padding
-            self._prefilled = chunks.last_call and self.plan(chunks.tokens) is not None
-
     def _refuse_before_the_prefill(self, inputs_embeds: torch.Tensor | None, cache) -> None:
         """Raise, before any layer writes the cache, for a call this press would compress but refuse in a layer's
         hook or after the prefill: a cache it cannot compress, another press entered inside this one's block, a

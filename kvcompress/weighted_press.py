@@ -36,11 +36,12 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from kvcompress._checks import check_bool, check_compression_ratio, check_int_range, plain_scalars
-from kvcompress.cache import WeightedLayer, check_cache, install_compressed_layer
+from kvcompress.cache import WeightedLayer, check_cache
+from kvcompress.compressed_layer import CompressedLayerRows
 from kvcompress.compression_stream import CompressionStream, SideStreamCompression
-from kvcompress.context_chunks import CHUNKED_SOURCES, ChunkedReference, ContextChunks
-from kvcompress.hf_attention import PrefillRows, handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
-from kvcompress.padding import row_kwargs, stack_rows
+from kvcompress.context_chunks import ChunkedReference, ContextChunkHooks
+from kvcompress.hf_attention import handing_over_prefill_rows, take_prefill_rows, use_weighted_attention
+from kvcompress.padding import row_kwargs
 from kvcompress.prefill_call import PrefillCallHooks
 from kvcompress.press_guards import (
     check_supported_model,
@@ -48,9 +49,8 @@ from kvcompress.press_guards import (
     refuse_a_wrapper,
     refuse_non_finite_layers,
 )
-from kvcompress.reference import LayerReference, post_rope_queries
+from kvcompress.reference import LayerReference
 from kvcompress.repeat_hooks import RepeatPassHooks
-from kvcompress.selection import causal_row_lse
 from kvcompress.window import layer_windows, trim_to_windows
 
 logger = hf_logging.get_logger(__name__)
@@ -85,7 +85,9 @@ def split_budget(tokens: int, budget: int, sink: int, window: int) -> RowPlan:
 
 
 @dataclass
-class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHooks, BasePress):
+class WeightedSubsetPress(
+    SideStreamCompression, RepeatPassHooks, PrefillCallHooks, ContextChunkHooks, CompressedLayerRows, BasePress
+):
     """Shared frame: protected sink/window tokens, a weighted middle, the budget of kvpress's ScorerPress.
 
     After compression each head holds exactly ``int(n * (1 - compression_ratio))`` rows of an n-token
@@ -207,25 +209,6 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         values ``[b, h_kv, n, d]``, values None unless :meth:`reads_values`). ``chunked``: the last call of a context
         read in several (:meth:`context_in_chunks`), what the earlier calls left for this layer."""
         return LayerReference()
-
-    def chunk_refusal(self) -> str | None:
-        """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None."""
-        others = [source for source in self.reference_sources() if source not in CHUNKED_SOURCES]
-        if others:
-            return (f"reads reference={others} (all prefill queries at once or a second pass over the context); "
-                    f"a context read in chunks gives {list(CHUNKED_SOURCES)}")  # fmt: skip
-        return None
-
-    def chunk_tail_rows(self) -> int:
-        """How many of the context's last queries a context read in chunks carries from call to call (at least the
-        one the induction score of the next call's first key needs)."""
-        return 1
-
-    def context_in_chunks(self, tokens: int) -> ContextChunks:
-        """The next ``tokens`` tokens prefilled into an empty cache, in several calls, are one context, compressed
-        after the last as one call would be (:class:`kvcompress.context_chunks.ContextChunks`; ValueError naming
-        the reason where this press's sources need the whole prefill at once)."""
-        return ContextChunks(self, tokens)
 
     def compress_middle(
         self,
@@ -354,19 +337,6 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
         self._compress_prefill(module, kwargs, cache, self._real_rows(batch, n, layer.keys.device))
         return output
 
-    def _read_chunk(self, module: torch.nn.Module, kwargs: dict, cache, chunks: ContextChunks) -> None:
-        """One call of a context read in chunks, through layer ``module``: its queries' part of the references,
-        from what its attention handed over (else from its hidden states, the normalisers computed here)."""
-        if not chunks.wants_rows:
-            return
-        hidden, keys = kwargs["hidden_states"], cache.layers[module.layer_idx].keys
-        rows = take_prefill_rows(module.layer_idx)
-        if rows is None or rows.queries.shape[-2] != hidden.shape[1]:
-            queries = post_rope_queries(module, hidden, kwargs["position_embeddings"])
-            lse = causal_row_lse(queries, keys, module.scaling, first=chunks.call[0])
-            rows = PrefillRows(queries, lse, None)
-        chunks.add(module.layer_idx, rows, keys, module.scaling)
-
     def _compress_prefill(self, module: torch.nn.Module, kwargs: dict, cache, rows, chunked=None) -> None:
         """Compress layer ``module`` of a prefill's ``cache`` (``rows``: each batch row's real tokens, None when
         unpadded; ``chunked``: the last call of a context read in chunks, a :class:`ChunkedReference`)."""
@@ -401,56 +371,3 @@ class WeightedSubsetPress(SideStreamCompression, RepeatPassHooks, PrefillCallHoo
             self._deferred[module.layer_idx] = (cache, state)
         else:
             self._compress_layer(cache, state)
-
-    def _compress_rows(
-        self, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, plan: RowPlan, reference
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows of an unpadded context ``[b, h_kv, n, d]``: ``(K, V, w)`` with ``plan.rows`` rows per head."""
-        n = keys.shape[-2]
-        start, end = plan.sink, n - plan.window
-        middle_keys, middle_values, middle_weights = self.compress_middle(
-            module, keys, values, start, end, plan.middle, reference
-        )
-        ones = middle_weights.new_ones(*middle_weights.shape[:2], 1)
-        return (
-            torch.cat([keys[:, :, :start], middle_keys, keys[:, :, end:]], dim=2),
-            torch.cat([values[:, :, :start], middle_values, values[:, :, end:]], dim=2),
-            torch.cat([ones.expand(-1, -1, start), middle_weights, ones.expand(-1, -1, plan.window)], dim=2),
-        )
-
-    def _compress_layer(self, cache, state: dict) -> None:
-        module, rows, plans = state["module"], state["rows"], state["plans"]
-        layer = cache.layers[module.layer_idx]
-        keys, values = layer.keys, layer.values
-        if rows is None:
-            compressed_keys, compressed_values, weights = self._compress_rows(
-                module, keys, values, plans[0], state["references"][0]
-            )
-            value_min, value_max, valid = values.amin(2).float(), values.amax(2).float(), None
-        else:
-            parts, lows, highs = [], [], []
-            for b, (index, plan) in enumerate(zip(rows, plans, strict=True)):
-                row_keys, row_values = keys[b : b + 1, :, index], values[b : b + 1, :, index]
-                lows.append(row_values.amin(2))
-                highs.append(row_values.amax(2))
-                if plan is None:  # this row removes nothing (or can keep no row): all its real tokens stay
-                    ones = torch.ones(1, keys.shape[1], len(index), device=keys.device)
-                    parts.append((row_keys, row_values, ones))
-                else:
-                    parts.append(self._compress_rows(module, row_keys, row_values, plan, state["references"][b]))
-            compressed_keys, compressed_values, weights, valid = stack_rows(parts)
-            value_min, value_max = torch.cat(lows).float(), torch.cat(highs).float()
-        # Weighted values (w v, a Nystrom fit) can outgrow a 16-bit dtype where the prefill's values did not: read
-        # with the prefill's own flags after it (one sync), the cache put back as before the call if one is not finite
-        finite = torch.isfinite(compressed_values).all() & torch.isfinite(weights).all()
-        self._finite.append((module.layer_idx, ("compressed values",), finite.reshape(1)))
-        compressed = WeightedLayer(
-            keys=compressed_keys,
-            values=compressed_values,
-            row_weights=weights,
-            value_min=value_min,
-            value_max=value_max,
-            tokens=state["tokens"],
-            row_valid=valid,
-        )
-        install_compressed_layer(cache, module.layer_idx, compressed)

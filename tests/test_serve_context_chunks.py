@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.serve_helpers import running_server
-from tests.test_serve_prefill_chunks import _engine
+from tests.test_serve_prefill_chunks import STORY, _engine, ask_greedy
 from tests.tiny_models import tiny_model
 
 
@@ -151,15 +151,10 @@ def test_a_server_reads_a_long_context_in_chunks_beside_a_stream(embedded_dir, t
     import httpx
 
     from tests.serve_helpers import API_KEY
-    from tests.test_serve import client, contexts, doc_question
+    from tests.test_serve import contexts, doc_question
 
     document = " ".join(contexts(2, tokens=340))
-    story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-
-    def ask(base, chat, max_tokens):
-        reply = client(base).chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
-                                                     max_tokens=max_tokens)
-        return reply.choices[0].message.content
+    story, ask = STORY, ask_greedy
 
     answers = {}
     for chunk in (128, 100000):

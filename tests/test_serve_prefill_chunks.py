@@ -31,6 +31,18 @@ def _engine(model, press, prefill_chunk=512, **options):
     return engine
 
 
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]  # a long answer to stream
+
+
+def ask_greedy(base: str, chat: list[dict], max_tokens: int) -> str:
+    """The greedy answer of the real server at ``base`` to ``chat``."""
+    from tests.test_serve import client
+
+    reply = client(base).chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
+                                                 max_tokens=max_tokens)
+    return reply.choices[0].message.content
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @torch.no_grad()
 def test_a_question_fed_in_chunks_gives_the_one_shot_logits_and_rows(family):
@@ -287,16 +299,11 @@ def test_a_server_prefills_a_long_one_part_message_in_chunks_beside_a_stream(emb
     of over 1024 tokens: the log says once that such a message is not compressed, and how to have it compressed."""
     import concurrent.futures
 
-    from tests.test_serve import client, contexts
+    from tests.test_serve import contexts
 
     doc = contexts(1, tokens=300)[0]
     messages = [{"role": "user", "content": doc + "\n\nWhat is this text about? Answer briefly."}]
-    story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-
-    def ask(base, chat, max_tokens):
-        reply = client(base).chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
-                                                     max_tokens=max_tokens)
-        return reply.choices[0].message.content
+    story, ask = STORY, ask_greedy
 
     answers = {}
     for chunk in (64, 100000):
