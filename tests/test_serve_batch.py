@@ -1036,7 +1036,7 @@ def test_a_stored_context_reserves_its_own_rows_in_each_layer():
                              context_row_bytes=300, batch_row_bytes=300, batch_session_bytes=10,
                              warm_up=lambda: None, batch_capacity=lambda rows: rows,
                              capacity_step=1, stored=lambda ids: entry if len(ids) == 400 else None,
-                             reads_in_chunks=lambda ids: False, full_row_bytes=1000)  # fmt: skip
+                             bytes_held_while_read=lambda ids: 0)  # fmt: skip
     scheduler = Scheduler(engine, max_batch=4, max_batch_tokens=10_000, memory=100_000, max_queue=0)
     try:
         need, new_bytes, key = scheduler._estimate(Job(list(range(400)), [1, 2, 3], max_tokens=5))
@@ -1045,7 +1045,7 @@ def test_a_stored_context_reserves_its_own_rows_in_each_layer():
         engine.prefix_min_fraction, engine.model_name, engine.press_label = 0.5, "m", "p"
         need, new_bytes, key = scheduler._estimate(Job(list(range(200)), [1, 2, 3], max_tokens=5))
         assert need == (50 + 3 + 4,) and new_bytes == 50 * 300 and key is None
-        engine.reads_in_chunks = lambda ids: True  # held uncompressed until its last chunk: all 200 rows
+        engine.bytes_held_while_read = lambda ids: 1000 * len(ids)  # read in chunks: all 200 rows uncompressed
         need, new_bytes, key = scheduler._estimate(Job(list(range(200)), [1, 2, 3], max_tokens=5))
         assert need == (50 + 3 + 4,) and new_bytes == 200 * 1000 and key is None
     finally:

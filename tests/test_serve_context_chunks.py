@@ -176,3 +176,53 @@ def test_a_server_reads_a_long_context_in_chunks_beside_a_stream(embedded_dir, t
             assert chunks == 1 and counted == 0
     assert answers[128] == answers[100000]
 
+
+
+@torch.no_grad()
+def test_new_turns_after_a_stored_turn_are_read_in_chunks_as_in_one_call():
+    """A stored 300-token context, then a 500-token one that starts with it (a later turn, ``--turn-reuse prefix``):
+    with 64-token chunks its 200 new tokens are prefilled exact in 4 calls (counted a prefix hit, no context
+    prefill, nothing held beyond the estimate), then stored; the stored cache (the compressed 300 plus 200 exact
+    rows) and the first-token logits agree with the one-call engine's within float64 rounding."""
+    from kvcompress.hf_attention import use_weighted_attention
+    from kvcompress.registry import make_press
+    from kvcompress.serve.contexts import TailRead
+    from kvcompress.serve.jobs import Job
+
+    model = tiny_model("llama", dtype=torch.float64, seed=4)
+    use_weighted_attention(model)
+    g = torch.Generator().manual_seed(12)
+    first = torch.randint(0, 256, (300,), generator=g).tolist()
+    later = first + torch.randint(0, 256, (200,), generator=g).tolist()
+    question = torch.randint(0, 256, (6,), generator=g).tolist()
+    results = {}
+    for chunk in (64, 512):
+        engine = _engine(model, make_press("compresskv", 0.5, 0), prefill_chunk=chunk, compress_min_tokens=0)
+        logits = []
+        real_advance = engine.advance
+        engine.advance = lambda session, token, scores: (logits.append(scores.clone()),  # noqa: B023
+                                                         real_advance(session, token, scores))[1]  # noqa: B023
+        try:
+            opening = engine.begin(Job(first, question, max_tokens=2, temperature=0))
+            while engine.feed(opening, chunk) is None:  # the first context, in chunks (64) or one call (512)
+                pass
+            assert engine.is_stored(first)
+            opening = engine.begin(Job(later, question, max_tokens=2, temperature=0))
+            assert isinstance(opening.reading, TailRead) == (chunk == 64) and opening.held_bytes == 0
+            read = []
+            while (session := engine.feed(opening, chunk)) is None:
+                read.append(opening.reading.read if opening.reading is not None else "question")
+            if chunk == 64:
+                assert read == [364, 428, 492, "question"] and opening.context_chunks == 4
+                assert engine.metrics.context_hits.labels(kind="prefix")._value.get() == 1
+                assert engine.metrics.prefills._value.get() == 1  # the first context only
+            results[chunk] = (engine.stored(later).cache, logits[-1], session)
+        finally:
+            engine.shutdown()
+    (stored, logits, session), (stored_one, logits_one, session_one) = results[64], results[512]
+    for mine, one in zip(stored.layers, stored_one.layers, strict=True):
+        assert mine.keys.shape == one.keys.shape and mine.keys.shape[-2] == 150 + 200  # compressed 300, then exact
+        for name in ("keys", "values", "row_weights", "value_min", "value_max"):
+            torch.testing.assert_close(getattr(mine, name), getattr(one, name), rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits, logits_one, rtol=0, atol=1e-10)
+    assert session.position == session_one.position == 506

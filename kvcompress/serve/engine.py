@@ -11,15 +11,14 @@ piece or in chunks; a request's other choices :meth:`Engine.fork` the result); t
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 
 import torch
-from transformers import DynamicCache
 
 from kvcompress.hf_attention import use_weighted_attention
 from kvcompress.serve.batch import STATIC_CAPACITY_STEP, RowSource, batch_capacity, build, session_rows
+from kvcompress.serve.contexts import ContextSource
 from kvcompress.serve.jobs import Job, Opening, Session, TokenLogprob
 from kvcompress.serve.metrics import ServerMetrics
 from kvcompress.serve.sampling import StopText, TokenBytes
@@ -29,7 +28,7 @@ from kvcompress.serve.store import COMPRESS_MIN_TOKENS, ContextStore, answer_vie
 log = logging.getLogger("kvcompress.serve")
 
 
-class Engine:
+class Engine(ContextSource):
     """Owns the model and the store; :meth:`submit` hands a :class:`Job` to the scheduler (continuous batching)."""
 
     def __init__(self, model, tokenizer, *, model_name: str, press, press_label: str, store: ContextStore,
@@ -82,87 +81,11 @@ class Engine:
         self.scheduler.stop()
 
     # -- model side (the scheduler's thread) ---------------------------------------------------------------
-    def stored(self, context_ids: list[int]):
-        """The store entry of exactly this context, or None (marks it used)."""
-        return self.store.get((tuple(context_ids), self.model_name, self.press_label)) if context_ids else None
-
-    def is_stored(self, context_ids: list[int]) -> bool:
-        """Whether exactly this context is stored (a request on it needs no context prefill); marks nothing."""
-        return bool(context_ids) and (tuple(context_ids), self.model_name, self.press_label) in self.store
-
-    def context_cache(self, context_ids: list[int], rid: str = "-") -> DynamicCache:
-        """The stored cache of this context (exact hit, a stored earlier turn extended, or a new prefill)."""
-        tokens = tuple(context_ids)
-        key = (tokens, self.model_name, self.press_label)
-        if not tokens:
-            return DynamicCache()
-        entry = self.store.get(key)
-        if entry is not None:
-            self.metrics.context_hits.labels(kind="exact").inc()
-            log.info("request %s reuse hit: %d context tokens stored as %d rows, no prefill", rid, len(tokens),
-                     entry.cache.get_seq_length(0))
-            return entry.cache
-        start = time.perf_counter()
-        min_tokens = max(1, math.ceil(self.prefix_min_fraction * len(tokens)))
-        prefix = self.store.longest_prefix(tokens, self.model_name, self.press_label, min_tokens)
-        device = self.model.device
-        if prefix is not None:  # a later turn: the stored part stays as it is, the new turns are prefilled exact
-            self.metrics.context_hits.labels(kind="prefix").inc()
-            cache = answer_view(prefix.cache)
-            tail = torch.tensor([tokens[prefix.tokens:]], device=device)
-            positions = torch.arange(prefix.tokens, len(tokens), device=device).unsqueeze(0)
-            self.model.model(input_ids=tail, past_key_values=cache, position_ids=positions)
-            log.info("request %s reuse hit (earlier turn): %d of %d context tokens stored, %d new tokens prefilled "
-                     "exact in %.2f s", rid, prefix.tokens, len(tokens), len(tokens) - prefix.tokens,
-                     time.perf_counter() - start)
-        else:
-            self.metrics.context_misses.inc()
-            self.metrics.prefills.inc()
-            cache = DynamicCache()
-            ids = torch.tensor([tokens], device=device)
-            short = self.press is not None and len(tokens) < self.compress_min_tokens  # kept whole
-            if short:
-                self.metrics.short_contexts.inc()
-            if self.press is None or short:
-                self.model.model(input_ids=ids, past_key_values=cache)
-            else:
-                try:
-                    with self.press(self.model):
-                        self.model.model(input_ids=ids, past_key_values=cache)
-                except (AssertionError, ValueError) as err:  # e.g. kvpress's SnapKV on a context under its window
-                    log.warning("the press cannot compress this %d-token context (%s); it is kept uncompressed",
-                                len(tokens), str(err).splitlines()[0] if str(err) else type(err).__name__)
-                    self.metrics.uncompressed.inc()
-                    cache = DynamicCache()
-                    self.model.model(input_ids=ids, past_key_values=cache)
-            whole = f" (kept whole: under --compress-min-tokens {self.compress_min_tokens})" if short else ""
-            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s%s", rid, len(tokens),
-                     cache.get_seq_length(0), time.perf_counter() - start, whole)
-        self.metrics.prefill_seconds.observe(time.perf_counter() - start)
-        self.store.put(key, cache, len(tokens))
-        return cache
-
     def open_session(self, job: Job) -> Session:
         """Context (stored or prefilled), question prefill and the first token (streamed), in one go: :meth:`begin`
         then :meth:`feed` of the whole question. The returned session has ``finish`` set when that token already
         ended it, else its ``rows`` ready to join the decode batch."""
         return self.feed(self.begin(job))
-
-    def reads_in_chunks(self, context_ids: list[int]) -> bool:
-        """Whether this context is new and read in chunks of ``--prefill-chunk`` tokens between decode steps
-        (:mod:`kvcompress.context_chunks`): longer than a chunk, compressed (not under ``--compress-min-tokens``),
-        under a press that reads its sources call by call (the default press does; a repeat pass or a kvpress press
-        needs one call), with its uncompressed rows, held until its last chunk, within the memory budget; not
-        stored, not served by a stored earlier turn."""
-        n, press = len(context_ids), self.press
-        if press is None or n <= self.scheduler.prefill_chunk or n < self.compress_min_tokens:
-            return False
-        if not hasattr(press, "chunk_refusal") or press.chunk_refusal() is not None:
-            return False
-        if n * self.full_row_bytes > self.scheduler.memory or self.is_stored(context_ids):
-            return False
-        min_tokens = max(1, math.ceil(self.prefix_min_fraction * n))
-        return self.store.longest_prefix(tuple(context_ids), self.model_name, self.press_label, min_tokens) is None
 
     def begin(self, job: Job) -> Opening:
         """Open ``job``: its context's cache (stored, or prefilled and compressed now) and a view its question writes
@@ -170,39 +93,13 @@ class Engine:
         is not read yet: :meth:`feed` reads it first, chunk by chunk."""
         started = time.perf_counter()
         self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
-        if self.reads_in_chunks(job.context_ids):
-            self.metrics.context_misses.inc()
-            self.metrics.prefills.inc()
-            n = len(job.context_ids)
-            return Opening(job, None, _generator(job), started, reading=self.press.context_in_chunks(n),
-                           context_cache=DynamicCache(), held_bytes=n * self.full_row_bytes)  # fmt: skip
+        reading = self.start_reading(job.context_ids)
+        if reading is not None:
+            return Opening(job, None, _generator(job), started, reading=reading[0], context_cache=reading[1],
+                           held_bytes=reading[2])  # fmt: skip
         context = self.context_cache(job.context_ids, job.rid)
         self.metrics.set_store(self.store.stats())
         return Opening(job, answer_view(context) if job.context_ids else context, _generator(job), started)
-
-    def _read_context(self, opening: Opening, tokens: int | None) -> None:
-        """Prefill the next ``tokens`` context tokens of ``opening`` (all that are left when None) under the press;
-        after the last, the compressed context is stored and ``opening.cache`` becomes a view of it."""
-        job, reading, cache = opening.job, opening.reading, opening.context_cache
-        n, start = len(job.context_ids), reading.read
-        end = n if tokens is None else min(n, start + tokens)
-        began = time.perf_counter()
-        ids = torch.tensor([job.context_ids[start:end]], device=self.model.device)
-        positions = torch.arange(start, end, device=self.model.device).unsqueeze(0)
-        with self.press(self.model), reading:  # a call that fails puts the cache back empty, and the request fails
-            self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions)
-        opening.context_chunks += 1
-        opening.context_seconds += time.perf_counter() - began
-        self.metrics.context_chunks.inc()
-        if reading.done:
-            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s (%d chunks between decode "
-                     "steps)", job.rid, n, cache.get_seq_length(0),
-                     opening.context_seconds, opening.context_chunks)  # fmt: skip
-            self.metrics.prefill_seconds.observe(opening.context_seconds)
-            self.store.put((tuple(job.context_ids), self.model_name, self.press_label), cache, n)
-            self.metrics.set_store(self.store.stats())
-            opening.cache, opening.reading, opening.context_cache = answer_view(cache), None, None
-            opening.held_bytes = 0
 
     def feed(self, opening: Opening, tokens: int | None = None) -> Session | None:
         """Prefill the next ``tokens`` question tokens of ``opening`` (all that are left when None), at their
@@ -210,7 +107,7 @@ class Engine:
         first (all of it when None). None while some are left; after the last one, the first token is sampled and
         streamed and the :class:`Session` returned (as :meth:`open_session` returns it)."""
         if opening.reading is not None:
-            self._read_context(opening, tokens)
+            self.read_chunk(opening, tokens)
             if tokens is not None or opening.reading is not None:
                 return None
         job, device = opening.job, self.model.device

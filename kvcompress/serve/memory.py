@@ -66,8 +66,8 @@ class MemoryBudget:
             short = len(job.context_ids) < e.compress_min_tokens  # kept whole
             rows = (len(job.context_ids) if short else math.ceil(len(job.context_ids) * e.kept_fraction),)
             new_bytes = rows[0] * e.context_row_bytes
-            if not peek and e.reads_in_chunks(job.context_ids):  # held uncompressed until its last chunk
-                new_bytes = max(new_bytes, len(job.context_ids) * e.full_row_bytes)
+            if not peek:  # a new context read in chunks is held uncompressed until its last chunk
+                new_bytes = max(new_bytes, e.bytes_held_while_read(job.context_ids))
             if not peek and job.context_ids:  # a stored earlier turn of this chat is used, not evicted
                 min_tokens = max(1, math.ceil(e.prefix_min_fraction * len(job.context_ids)))
                 prefix = e.store.longest_prefix(tuple(job.context_ids), e.model_name, e.press_label, min_tokens)

@@ -1,0 +1,187 @@
+"""The context side of the server's :class:`~kvcompress.serve.engine.Engine`: a request's context cache, from the
+store (the same context), a stored earlier turn extended by the new turns (``--turn-reuse prefix``), or a new prefill
+under the press; and, for a long one, read in chunks between decode steps.
+
+A context is read in chunks of ``--prefill-chunk`` tokens (:meth:`ContextSource.start_reading`, then
+:meth:`ContextSource.read_chunk` once a round) when what must be prefilled is longer than a chunk: a new context
+under a press that reads its sources call by call (:mod:`kvcompress.context_chunks`: compressed after its last chunk
+as one call compresses it; its uncompressed rows held against the memory budget until then), or the new turns after
+a stored earlier turn (prefilled exact, as in one call). Otherwise one call does it (:meth:`ContextSource.
+context_cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from transformers import DynamicCache
+
+from kvcompress.serve.jobs import Opening
+from kvcompress.serve.store import answer_view
+
+log = logging.getLogger("kvcompress.serve")
+
+
+class TailRead:
+    """The new turns after a stored earlier turn, read in chunks: tokens ``[read, tokens)`` of the context are left
+    (no press: they are kept exact, as a one-call prefill keeps them)."""
+
+    def __init__(self, stored: int, tokens: int):
+        self.stored, self.read, self.tokens = stored, stored, tokens
+
+    @property
+    def done(self) -> bool:
+        return self.read == self.tokens
+
+
+class ContextSource:
+    """A mixin of the engine: it reads ``model``, ``press``, ``store``, ``metrics``, ``model_name``, ``press_label``,
+    ``prefix_min_fraction``, ``compress_min_tokens``, ``full_row_bytes`` and ``scheduler`` (its ``prefill_chunk``
+    and ``memory``)."""
+
+    def stored(self, context_ids: list[int]):
+        """The store entry of exactly this context, or None (marks it used)."""
+        return self.store.get((tuple(context_ids), self.model_name, self.press_label)) if context_ids else None
+
+    def is_stored(self, context_ids: list[int]) -> bool:
+        """Whether exactly this context is stored (a request on it needs no context prefill); marks nothing."""
+        return bool(context_ids) and (tuple(context_ids), self.model_name, self.press_label) in self.store
+
+    def context_cache(self, context_ids: list[int], rid: str = "-") -> DynamicCache:
+        """The stored cache of this context (exact hit, a stored earlier turn extended, or a new prefill)."""
+        tokens = tuple(context_ids)
+        key = (tokens, self.model_name, self.press_label)
+        if not tokens:
+            return DynamicCache()
+        entry = self.store.get(key)
+        if entry is not None:
+            self.metrics.context_hits.labels(kind="exact").inc()
+            log.info("request %s reuse hit: %d context tokens stored as %d rows, no prefill", rid, len(tokens),
+                     entry.cache.get_seq_length(0))
+            return entry.cache
+        start = time.perf_counter()
+        prefix = self._prefix(tokens)
+        device = self.model.device
+        if prefix is not None:  # a later turn: the stored part stays as it is, the new turns are prefilled exact
+            self.metrics.context_hits.labels(kind="prefix").inc()
+            cache = answer_view(prefix.cache)
+            tail = torch.tensor([tokens[prefix.tokens:]], device=device)
+            positions = torch.arange(prefix.tokens, len(tokens), device=device).unsqueeze(0)
+            self.model.model(input_ids=tail, past_key_values=cache, position_ids=positions)
+            log.info("request %s reuse hit (earlier turn): %d of %d context tokens stored, %d new tokens prefilled "
+                     "exact in %.2f s", rid, prefix.tokens, len(tokens), len(tokens) - prefix.tokens,
+                     time.perf_counter() - start)
+        else:
+            self.metrics.context_misses.inc()
+            self.metrics.prefills.inc()
+            cache = DynamicCache()
+            ids = torch.tensor([tokens], device=device)
+            short = self.press is not None and len(tokens) < self.compress_min_tokens  # kept whole
+            if short:
+                self.metrics.short_contexts.inc()
+            if self.press is None or short:
+                self.model.model(input_ids=ids, past_key_values=cache)
+            else:
+                try:
+                    with self.press(self.model):
+                        self.model.model(input_ids=ids, past_key_values=cache)
+                except (AssertionError, ValueError) as err:  # e.g. kvpress's SnapKV on a context under its window
+                    log.warning("the press cannot compress this %d-token context (%s); it is kept uncompressed",
+                                len(tokens), str(err).splitlines()[0] if str(err) else type(err).__name__)
+                    self.metrics.uncompressed.inc()
+                    cache = DynamicCache()
+                    self.model.model(input_ids=ids, past_key_values=cache)
+            whole = f" (kept whole: under --compress-min-tokens {self.compress_min_tokens})" if short else ""
+            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s%s", rid, len(tokens),
+                     cache.get_seq_length(0), time.perf_counter() - start, whole)
+        self.metrics.prefill_seconds.observe(time.perf_counter() - start)
+        self.store.put(key, cache, len(tokens))
+        return cache
+
+    def _prefix(self, tokens: tuple[int, ...]):
+        """The stored earlier turn that serves ``tokens`` (the longest stored proper prefix covering at least
+        ``prefix_min_fraction`` of it; marked used), or None."""
+        min_tokens = max(1, math.ceil(self.prefix_min_fraction * len(tokens)))
+        return self.store.longest_prefix(tokens, self.model_name, self.press_label, min_tokens)
+
+    def reads_in_chunks(self, context_ids: list[int]) -> bool:
+        """Whether this context is read in chunks of ``--prefill-chunk`` tokens between decode steps: not stored,
+        and either the new turns after a stored earlier turn are longer than a chunk, or it is new, longer than a
+        chunk, compressed (not under ``--compress-min-tokens``) under a press that reads its sources call by call
+        (the default press does; a repeat pass or a kvpress press needs one call), with its uncompressed rows within
+        the memory budget."""
+        return self._reading(context_ids) is not None
+
+    def _reading(self, context_ids: list[int]) -> str | tuple | None:
+        """``"new"``, ``("tail", stored entry)`` or None (one call, or nothing to prefill): see
+        :meth:`reads_in_chunks`."""
+        n, chunk, press = len(context_ids), self.scheduler.prefill_chunk, self.press
+        if n <= chunk or self.is_stored(context_ids):
+            return None
+        prefix = self._prefix(tuple(context_ids))
+        if prefix is not None:
+            return ("tail", prefix) if n - prefix.tokens > chunk else None
+        if press is None or n < self.compress_min_tokens or n * self.full_row_bytes > self.scheduler.memory:
+            return None
+        if not hasattr(press, "chunk_refusal") or press.chunk_refusal() is not None:
+            return None
+        return "new"
+
+    def bytes_held_while_read(self, context_ids: list[int]) -> int:
+        """What reading this context holds beyond its estimate until its last chunk: a new context read in chunks,
+        all its rows uncompressed; else 0 (new turns after a stored one are stored as they are)."""
+        return len(context_ids) * self.full_row_bytes if self._reading(context_ids) == "new" else 0
+
+    def start_reading(self, context_ids: list[int]) -> tuple | None:
+        """For a context :meth:`reads_in_chunks`: ``(reading, cache it fills, bytes it holds uncompressed until its
+        last chunk)``, nothing read yet (the context counted a miss or a prefix hit now); else None."""
+        reading = self._reading(context_ids)
+        if reading is None:
+            return None
+        n = len(context_ids)
+        if reading == "new":
+            self.metrics.context_misses.inc()
+            self.metrics.prefills.inc()
+            return self.press.context_in_chunks(n), DynamicCache(), n * self.full_row_bytes
+        prefix = reading[1]
+        self.metrics.context_hits.labels(kind="prefix").inc()
+        return TailRead(prefix.tokens, n), answer_view(prefix.cache), 0  # the tail's rows are stored as they are
+
+    def read_chunk(self, opening: Opening, tokens: int | None) -> None:
+        """Prefill the next ``tokens`` context tokens of ``opening`` (all that are left when None): under the press
+        for a new context, exact for the new turns after a stored earlier one. After the last, the context is stored
+        (compressed, or extended) and ``opening.cache`` becomes a view of it."""
+        job, reading, cache = opening.job, opening.reading, opening.context_cache
+        n, start = len(job.context_ids), reading.read
+        end = n if tokens is None else min(n, start + tokens)
+        began = time.perf_counter()
+        ids = torch.tensor([job.context_ids[start:end]], device=self.model.device)
+        positions = torch.arange(start, end, device=self.model.device).unsqueeze(0)
+        if isinstance(reading, TailRead):
+            self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions)
+            reading.read = end
+        else:  # a call that fails puts the cache back empty, and the request fails
+            with self.press(self.model), reading:
+                self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions)
+        opening.context_chunks += 1
+        opening.context_seconds += time.perf_counter() - began
+        self.metrics.context_chunks.inc()
+        if not reading.done:
+            return
+        if isinstance(reading, TailRead):
+            log.info("request %s reuse hit (earlier turn): %d of %d context tokens stored, %d new tokens prefilled "
+                     "exact in %.2f s (%d chunks between decode steps)", job.rid, reading.stored, n,
+                     n - reading.stored, opening.context_seconds, opening.context_chunks)  # fmt: skip
+        else:
+            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s (%d chunks between decode "
+                     "steps)", job.rid, n, cache.get_seq_length(0), opening.context_seconds,
+                     opening.context_chunks)  # fmt: skip
+        self.metrics.prefill_seconds.observe(opening.context_seconds)
+        self.store.put((tuple(job.context_ids), self.model_name, self.press_label), cache, n)
+        self.metrics.set_store(self.store.stats())
+        opening.cache, opening.reading, opening.context_cache = answer_view(cache), None, None
+        opening.held_bytes = 0
+
