@@ -1,10 +1,11 @@
 """The model side of the server: context prefill under the press, the store, question prefill, sampling, streaming.
 
-Protocol (kvpress's pipeline): a request is ``context_ids`` (compressed, stored, reused) and ``question_ids``
-(never compressed). The context is prefilled once under the press (``with press(model): model.model(...)``),
-the question runs outside the press on an :func:`~kvcompress.serve.store.answer_view` of the stored cache, with
-explicit positions continuing after the context's tokens (:meth:`Engine.begin`, then :meth:`Engine.feed` in one
-piece or in chunks; a request's other choices :meth:`Engine.fork` the result); then the session decodes in the
+Protocol (kvpress's pipeline): a request is ``context_ids`` (compressed, stored, reused) and ``question_ids`` (never
+compressed). The context is prefilled once under the press (``with press(model): model.model(...)``, in one call or,
+when long, in chunks: :mod:`kvcompress.serve.contexts`), the question runs outside the press on an
+:func:`~kvcompress.serve.store.answer_view` of the stored cache, with explicit positions continuing after the
+context's tokens (:meth:`Engine.begin`, then :meth:`Engine.feed` in one piece or in chunks; a request's other
+choices :meth:`Engine.fork` the result); then the session decodes in the
 :class:`~kvcompress.serve.scheduler.Scheduler`'s batch with every other active session, one token per step.
 """
 
