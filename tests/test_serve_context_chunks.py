@@ -15,6 +15,23 @@ from tests.test_serve_prefill_chunks import STORY, _engine, ask_greedy
 from tests.tiny_models import tiny_model
 
 
+def _engine_keeping_logits(model, chunk: int):
+    """An engine with the default press at 50% kept, every context compressed, ``chunk``-token chunks, and the list
+    the logits of every token it samples are appended to."""
+    from kvcompress.registry import make_press
+
+    engine = _engine(model, make_press("compresskv", 0.5, 0), prefill_chunk=chunk, compress_min_tokens=0)
+    logits = []
+    real_advance = engine.advance
+
+    def advance(session, token, scores):
+        logits.append(scores.clone())
+        return real_advance(session, token, scores)
+
+    engine.advance = advance
+    return engine, logits
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @torch.no_grad()
 def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(family):
@@ -24,7 +41,6 @@ def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(famil
     (kvcompress.context_chunks: the same press on the same rows, sums in another order). gemma3: 16-token sliding
     layers."""
     from kvcompress.hf_attention import use_weighted_attention
-    from kvcompress.registry import make_press
     from kvcompress.serve.jobs import Job
 
     overrides = {"sliding_window": 16} if family == "gemma3" else {}
@@ -35,11 +51,7 @@ def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(famil
     question = torch.randint(0, 256, (10,), generator=g).tolist()
     results = {}
     for chunk in (64, 512):
-        engine = _engine(model, make_press("compresskv", 0.5, 0), prefill_chunk=chunk, compress_min_tokens=0)
-        logits = []
-        real_advance = engine.advance
-        engine.advance = lambda session, token, scores: (logits.append(scores.clone()),  # noqa: B023
-                                                         real_advance(session, token, scores))[1]  # noqa: B023
+        engine, logits = _engine_keeping_logits(model, chunk)
         try:
             opening = engine.begin(Job(context, question, max_tokens=4, temperature=0))
             assert (opening.reading is not None) == (chunk == 64)
@@ -185,7 +197,6 @@ def test_new_turns_after_a_stored_turn_are_read_in_chunks_as_in_one_call():
     prefill, nothing held beyond the estimate), then stored; the stored cache (the compressed 300 plus 200 exact
     rows) and the first-token logits agree with the one-call engine's within float64 rounding."""
     from kvcompress.hf_attention import use_weighted_attention
-    from kvcompress.registry import make_press
     from kvcompress.serve.contexts import TailRead
     from kvcompress.serve.jobs import Job
 
@@ -197,11 +208,7 @@ def test_new_turns_after_a_stored_turn_are_read_in_chunks_as_in_one_call():
     question = torch.randint(0, 256, (6,), generator=g).tolist()
     results = {}
     for chunk in (64, 512):
-        engine = _engine(model, make_press("compresskv", 0.5, 0), prefill_chunk=chunk, compress_min_tokens=0)
-        logits = []
-        real_advance = engine.advance
-        engine.advance = lambda session, token, scores: (logits.append(scores.clone()),  # noqa: B023
-                                                         real_advance(session, token, scores))[1]  # noqa: B023
+        engine, logits = _engine_keeping_logits(model, chunk)
         try:
             opening = engine.begin(Job(first, question, max_tokens=2, temperature=0))
             while engine.feed(opening, chunk) is None:  # the first context, in chunks (64) or one call (512)
