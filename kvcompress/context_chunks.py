@@ -81,7 +81,7 @@ class ContextChunks:
         self._tails: dict[int, PrefillRows] = {}
         self._stack: contextlib.ExitStack | None = None
         self._slot = None
-        self._restore = None
+        self.restore = None  # from the first call: puts the cache back empty and marks this reading failed
 
     @property
     def done(self) -> bool:
@@ -144,7 +144,7 @@ class ContextChunks:
                 self._tails.clear()
                 restore()
 
-            self._restore = put_back
+            self.restore = put_back
         self.call = (self.read, self.read + tokens)
         if self._slot is not None:
             self._slot.unpadded = True
@@ -158,10 +158,6 @@ class ContextChunks:
         if self.done:
             self._scores.clear()
             self._tails.clear()
-
-    def restorer(self):
-        """Puts the cache back empty and marks this reading failed (the press calls it when a call raises)."""
-        return self._restore
 
     def add(self, layer_idx: int, rows: PrefillRows, keys: torch.Tensor, scaling: float) -> None:
         """Keep layer ``layer_idx``'s part of the running call: its queries' recall scores of the keys after them
@@ -219,7 +215,7 @@ class ContextChunkHooks:
         press compresses (sliding layers cut after it)."""
         chunks = self._chunks
         if chunks.begin_call(cache, tokens.shape[0], tokens.shape[1], mask, tokens.device):
-            self._restore = chunks.restorer()
+            self._restore = chunks.restore
             self._attention_mask, self._rows = None, None  # checked: no padding
             self._prefilled = chunks.last_call and self.plan(chunks.tokens) is not None
 
@@ -258,19 +254,24 @@ def _last_rows(earlier: PrefillRows | None, rows: PrefillRows, count: int, outpu
 
 
 def prefill_in_chunks(
-    model, press: WeightedSubsetPress, input_ids: torch.Tensor, chunk_size: int, cache: DynamicCache | None = None
+    model,
+    press: WeightedSubsetPress | None,
+    input_ids: torch.Tensor,
+    chunk_size: int,
+    cache: DynamicCache | None = None,
 ) -> DynamicCache:
     """Prefill the context ``input_ids [b, n]`` (no padding) under ``press`` in calls of at most ``chunk_size``
     tokens: the cache one call under the press makes (compressed after the last call), with activations of
-    ``chunk_size`` tokens at a time. ``cache``: an empty :class:`~transformers.DynamicCache` (a new one if None)."""
+    ``chunk_size`` tokens at a time (``press`` None: the plain calls, nothing compressed). ``cache``: an empty
+    :class:`~transformers.DynamicCache` (a new one if None)."""
     check_int_range("chunk_size", chunk_size, 1)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
         shape = getattr(input_ids, "shape", input_ids)
         raise ValueError(f"input_ids: expected token ids [batch, tokens >= 1], got {shape}")
     cache = DynamicCache() if cache is None else cache
-    reading = press.context_in_chunks(input_ids.shape[1])
     decoder = model.model
-    with press(model), reading:
+    reading = None if press is None else press.context_in_chunks(input_ids.shape[1])
+    with contextlib.nullcontext() if press is None else press(model), reading or contextlib.nullcontext():
         for start in range(0, input_ids.shape[1], chunk_size):
             chunk = input_ids[:, start : start + chunk_size]
             positions = torch.arange(start, start + chunk.shape[1], device=chunk.device).expand(chunk.shape[0], -1)

@@ -189,3 +189,15 @@ def test_a_failed_call_puts_the_cache_back_empty(monkeypatch):
     with pytest.raises(RuntimeError, match="a call of this context failed"), press(model), reading:
         pass
     _assert_same_cache(_one_call(model, press, ids), prefill_in_chunks(model, press, ids, 64))
+
+
+def test_without_a_press_the_chunks_are_the_plain_calls():
+    """``press`` None: the context in calls of 64 tokens, nothing compressed: the plain one-call cache."""
+    model, ids = _model("llama"), _context(200, seed=3)
+    whole = DynamicCache()
+    model.model(input_ids=ids, past_key_values=whole)
+    chunked = prefill_in_chunks(model, None, ids, 64)
+    for a, b in zip(whole.layers, chunked.layers, strict=True):
+        assert type(b) is type(a) and b.keys.shape == a.keys.shape == (1, 2, 200, 16)
+        torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=ATOL)
+        torch.testing.assert_close(b.values, a.values, rtol=0, atol=ATOL)

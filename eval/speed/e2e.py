@@ -46,16 +46,9 @@ def prefill(model, press, ids: torch.Tensor):
 
     from kvcompress import prefill_in_chunks
 
-    cache = DynamicCache()
     if isinstance(press, Chunked):
-        chunk = press.size(ids.shape[1])
-        if press.press is not None:
-            return prefill_in_chunks(model, press.press, ids, chunk)
-        for start in range(0, ids.shape[1], chunk):
-            piece = ids[:, start : start + chunk]
-            positions = torch.arange(start, start + piece.shape[1], device=ids.device).unsqueeze(0)
-            model.model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True)
-        return cache
+        return prefill_in_chunks(model, press.press, ids, press.size(ids.shape[1]))
+    cache = DynamicCache()
     if press is None:
         model.model(input_ids=ids, past_key_values=cache, use_cache=True)
     else:

@@ -64,13 +64,10 @@ class ContextSource:
             return entry.cache
         start = time.perf_counter()
         prefix = self._prefix(tokens)
-        device = self.model.device
         if prefix is not None:  # a later turn: the stored part stays as it is, the new turns are prefilled exact
             self.metrics.context_hits.labels(kind="prefix").inc()
             cache = answer_view(prefix.cache)
-            tail = torch.tensor([tokens[prefix.tokens:]], device=device)
-            positions = torch.arange(prefix.tokens, len(tokens), device=device).unsqueeze(0)
-            self.model.model(input_ids=tail, past_key_values=cache, position_ids=positions)
+            self._prefill_at(cache, tokens, prefix.tokens, len(tokens))
             log.info("request %s reuse hit (earlier turn): %d of %d context tokens stored, %d new tokens prefilled "
                      "exact in %.2f s", rid, prefix.tokens, len(tokens), len(tokens) - prefix.tokens,
                      time.perf_counter() - start)
@@ -78,7 +75,7 @@ class ContextSource:
             self.metrics.context_misses.inc()
             self.metrics.prefills.inc()
             cache = DynamicCache()
-            ids = torch.tensor([tokens], device=device)
+            ids = torch.tensor([tokens], device=self.model.device)
             short = self.press is not None and len(tokens) < self.compress_min_tokens  # kept whole
             if short:
                 self.metrics.short_contexts.inc()
@@ -100,6 +97,14 @@ class ContextSource:
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
         self.store.put(key, cache, len(tokens))
         return cache
+
+    def _prefill_at(self, cache, token_ids, start: int, end: int) -> None:
+        """Prefill context tokens ``token_ids[start:end]`` into ``cache`` at their positions (the calls of a stored
+        turn's new turns and of a context read in chunks)."""
+        device = self.model.device
+        ids = torch.tensor([token_ids[start:end]], device=device)
+        positions = torch.arange(start, end, device=device).unsqueeze(0)
+        self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions)
 
     def _prefix(self, tokens: tuple[int, ...]):
         """The stored earlier turn that serves ``tokens`` (the longest stored proper prefix covering at least
@@ -158,14 +163,12 @@ class ContextSource:
         n, start = len(job.context_ids), reading.read
         end = n if tokens is None else min(n, start + tokens)
         began = time.perf_counter()
-        ids = torch.tensor([job.context_ids[start:end]], device=self.model.device)
-        positions = torch.arange(start, end, device=self.model.device).unsqueeze(0)
         if isinstance(reading, TailRead):
-            self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions)
+            self._prefill_at(cache, job.context_ids, start, end)
             reading.read = end
         else:  # a call that fails puts the cache back empty, and the request fails
             with self.press(self.model), reading:
-                self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions)
+                self._prefill_at(cache, job.context_ids, start, end)
         opening.context_chunks += 1
         opening.context_seconds += time.perf_counter() - began
         self.metrics.context_chunks.inc()

@@ -95,9 +95,9 @@ class Engine(ContextSource):
         started = time.perf_counter()
         self.metrics.prompt_tokens.inc(len(job.context_ids) + len(job.question_ids))
         reading = self.start_reading(job.context_ids)
-        if reading is not None:
-            return Opening(job, None, _generator(job), started, reading=reading[0], context_cache=reading[1],
-                           held_bytes=reading[2])  # fmt: skip
+        if reading is not None:  # read by feed, chunk by chunk
+            read, cache, held = reading
+            return Opening(job, None, _generator(job), started, reading=read, context_cache=cache, held_bytes=held)
         context = self.context_cache(job.context_ids, job.rid)
         self.metrics.set_store(self.store.stats())
         return Opening(job, answer_view(context) if job.context_ids else context, _generator(job), started)
