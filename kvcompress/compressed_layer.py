@@ -37,7 +37,9 @@ class CompressedLayerRows:
             torch.cat([ones.expand(-1, -1, start), middle_weights, ones.expand(-1, -1, plan.window)], dim=2),
         )
 
-    def _compress_layer(self, cache, state: dict) -> None:
+    def _compress_layer(self, cache, state: dict, flags: list | None = None) -> None:
+        """Compress one layer of ``cache`` (``state``: what its prefill recorded), appending its compressed values'
+        finite flag to ``flags`` (the press's ``_finite`` when None)."""
         module, rows, plans = state["module"], state["rows"], state["plans"]
         layer = cache.layers[module.layer_idx]
         keys, values = layer.keys, layer.values
@@ -62,7 +64,7 @@ class CompressedLayerRows:
         # Weighted values (w v, a Nystrom fit) can outgrow a 16-bit dtype where the prefill's values did not: read
         # with the prefill's own flags after it (one sync), the cache put back as before the call if one is not finite
         finite = torch.isfinite(compressed_values).all() & torch.isfinite(weights).all()
-        self._finite.append((module.layer_idx, ("compressed values",), finite.reshape(1)))
+        (self._finite if flags is None else flags).append((module.layer_idx, ("compressed values",), finite.reshape(1)))
         compressed = WeightedLayer(
             keys=compressed_keys,
             values=compressed_values,

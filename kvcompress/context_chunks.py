@@ -15,6 +15,10 @@ would. The sources read so are ``"novelty"`` (the keys alone, at the end), ``"wi
 (each query's recall of the key after it, span by span: :func:`kvcompress.selection.recall_score`): the default
 press's. A press reading other sources (a repeat pass, sampled or all prefill queries at once) is refused, and says
 why. Calls after the context (a question, decode steps) run as after a one-call prefill.
+
+With ``defer_compression=True`` the last call only records each layer's references: its layers are then compressed
+by :meth:`ContextChunks.compress_next`, a few at a time (a server spreads them over the rounds between decode
+steps, so the last call stalls the other answers no longer than a chunk does), into the same cache.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from transformers import DynamicCache
 
-from kvcompress._checks import check_int_range
+from kvcompress._checks import check_bool, check_int_range
 from kvcompress.cache import check_cache, empty_cache_restorer
 from kvcompress.hf_attention import PrefillRows, handing_over_prefill_rows, take_prefill_rows
 from kvcompress.padding import real_token_rows
+from kvcompress.press_guards import refuse_non_finite_layers
 from kvcompress.reference import post_rope_queries
 from kvcompress.selection import causal_row_lse, recall_score
 
@@ -61,10 +66,15 @@ class ContextChunks:
     The calls must continue the context in order from an empty cache, the last one ending at token ``tokens``, with
     no padding (``attention_mask`` all ones or None); each is checked before it runs. A call that fails puts the
     cache back empty, and this object refuses further calls: read the context again with a new one.
+
+    ``defer_compression``: the last call records what each layer's compression needs and compresses none;
+    :meth:`compress_next` then compresses them in layer order (the press need not be entered), and a call after the
+    context is refused until every layer is. The same cache as without it.
     """
 
-    def __init__(self, press: WeightedSubsetPress, tokens: int):
+    def __init__(self, press: WeightedSubsetPress, tokens: int, defer_compression: bool = False):
         check_int_range("tokens", tokens, 1)
+        check_bool("defer_compression", defer_compression)
         refusal = press.chunk_refusal()
         if refusal is not None:
             raise ValueError(f"context_in_chunks: {type(press).__name__} {refusal}")
@@ -73,6 +83,9 @@ class ContextChunks:
         self.read = 0  # context tokens in the cache
         self.call: tuple[int, int] | None = None  # the running call's span of the context
         self.failed = False
+        self.defer_compression = defer_compression
+        self.waiting: list[tuple] = []  # (cache, layer state) of the layers the last call left to compress
+        self._flags: list = []  # their compressed values' finite flags, read after the last
         self.wants_rows = bool({"window", "induction"} & set(sources))
         self._induction = "induction" in sources
         self._tail_rows = press.chunk_tail_rows()
@@ -85,8 +98,13 @@ class ContextChunks:
 
     @property
     def done(self) -> bool:
-        """Whether every context token has been read (and the cache compressed)."""
-        return self.read == self.tokens
+        """Whether every context token has been read and the cache compressed."""
+        return self.read == self.tokens and not self.waiting
+
+    @property
+    def compressing(self) -> bool:
+        """Whether every context token has been read and layers are left to :meth:`compress_next`."""
+        return bool(self.waiting)
 
     @property
     def last_call(self) -> bool:
@@ -117,6 +135,9 @@ class ContextChunks:
         context (read as usual)."""
         if self.done:
             return False
+        if self.compressing:
+            raise ValueError(f"context_in_chunks: {len(self.waiting)} layers of the context are left to compress: "
+                             f"call compress_next() until none is left before a call after the context")  # fmt: skip
         if not isinstance(cache, DynamicCache):
             raise ValueError(f"past_key_values: a context read in chunks needs one DynamicCache passed to every call, "
                              f"got {type(cache).__name__}")  # fmt: skip
@@ -142,6 +163,7 @@ class ContextChunks:
                 self.failed = True
                 self._scores.clear()
                 self._tails.clear()
+                self.waiting.clear()
                 restore()
 
             self.restore = put_back
@@ -155,9 +177,37 @@ class ContextChunks:
         self.read, self.call = self.call[1], None
         if self._slot is not None:
             self._slot.unpadded = False
-        if self.done:
+        if self.read == self.tokens:
             self._scores.clear()
             self._tails.clear()
+
+    @torch.no_grad()  # the press's work runs outside autograd
+    def compress_next(self, layers: int | None = 1) -> int:
+        """Compress the next ``layers`` layers the last call left (all of them when None); the number left. After
+        the last, the compressed values are checked finite (else the cache is put back empty, ValueError)."""
+        if layers is not None:
+            check_int_range("layers", layers, 1)
+        if self.failed:
+            raise RuntimeError("context_in_chunks: a call of this context failed and its cache was put back empty")
+        count = len(self.waiting) if layers is None else min(layers, len(self.waiting))
+        try:
+            for _ in range(count):
+                cache, state = self.waiting[0]
+                layer = state["module"].layer_idx
+                held = cache.layers[layer].keys.shape[-2]
+                if held != self.tokens:
+                    raise ValueError(f"context_in_chunks: layer {layer} holds {held} rows where the context has "
+                                     f"{self.tokens}: a call ran on the cache before its layers were all compressed")
+                self.press._compress_layer(cache, state, self._flags)
+                self.waiting.pop(0)
+            if not self.waiting and count:
+                flags, self._flags = self._flags, []
+                refuse_non_finite_layers(flags, cache.layers[layer].keys.dtype)
+        except BaseException:
+            self.waiting.clear()
+            self.restore()
+            raise
+        return len(self.waiting)
 
     def add(self, layer_idx: int, rows: PrefillRows, keys: torch.Tensor, scaling: float) -> None:
         """Keep layer ``layer_idx``'s part of the running call: its queries' recall scores of the keys after them
@@ -203,11 +253,12 @@ class ContextChunkHooks:
         one the induction score of the next call's first key needs)."""
         return 1
 
-    def context_in_chunks(self, tokens: int) -> ContextChunks:
+    def context_in_chunks(self, tokens: int, defer_compression: bool = False) -> ContextChunks:
         """The next ``tokens`` tokens prefilled into an empty cache, in several calls, are one context, compressed
         after the last as one call would be (:class:`kvcompress.context_chunks.ContextChunks`; ValueError naming
-        the reason where this press's sources need the whole prefill at once)."""
-        return ContextChunks(self, tokens)
+        the reason where this press's sources need the whole prefill at once). ``defer_compression``: the layers
+        are compressed by the reading's ``compress_next()`` after the last call, not in it."""
+        return ContextChunks(self, tokens, defer_compression)
 
     def _begin_chunk(self, cache, tokens: torch.Tensor, mask) -> None:
         """A call while the press reads a context in chunks (:mod:`kvcompress.context_chunks`): checked and started

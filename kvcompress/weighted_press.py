@@ -365,7 +365,9 @@ class WeightedSubsetPress(
             ]
         take_prefill_rows(module.layer_idx)  # what the prefill's attention handed over and no recording took goes now
         state = dict(module=module, references=references, plans=plans, rows=rows, tokens=n)
-        if "repeat" in self.reference_sources():
+        if chunked is not None and self._chunks.defer_compression:  # compressed by the reading's compress_next()
+            self._chunks.waiting.append((cache, state))
+        elif "repeat" in self.reference_sources():
             self._pending[module.layer_idx] = state
         elif self.overlap_compression:  # compressed after this decoder layer, beside the next one
             self._deferred[module.layer_idx] = (cache, state)

@@ -201,3 +201,84 @@ def test_without_a_press_the_chunks_are_the_plain_calls():
         assert type(b) is type(a) and b.keys.shape == a.keys.shape == (1, 2, 200, 16)
         torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=ATOL)
         torch.testing.assert_close(b.values, a.values, rtol=0, atol=ATOL)
+
+
+def _read_deferred(model, press, ids, chunk: int) -> tuple[DynamicCache, object]:
+    """The context of ``ids`` read in calls of ``chunk`` tokens with its compression deferred: (cache, reading)."""
+    cache, n = DynamicCache(), ids.shape[1]
+    reading = press.context_in_chunks(n, defer_compression=True)
+    for start in range(0, n, chunk):
+        with press(model), reading:
+            positions = torch.arange(start, min(n, start + chunk)).unsqueeze(0)
+            model.model(input_ids=ids[:, start : start + chunk], past_key_values=cache, position_ids=positions)
+    return cache, reading
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("press_name", ["default", "paper", "uniform"])
+def test_deferred_compression_keeps_the_one_call_cache(family, press_name):
+    """``defer_compression=True``: the last call compresses no layer (each full-attention layer still holds the
+    context's 300 rows, the sliding ones are cut to their window); ``compress_next`` then compresses them in layer
+    order, one or two at a time, into the one-call cache; a call after the context is refused until the last one is
+    compressed, and leaves the cache as it was."""
+    model, ids = _model(family), _context(300, seed=5)
+    press = PRESSES[press_name]()
+    expected = _one_call(model, press, ids)
+    cache, reading = _read_deferred(model, press, ids, 64)
+    full = [i for i, layer in enumerate(model.model.layers) if getattr(layer.self_attn, "sliding_window", None) is None]
+    assert reading.compressing and not reading.done and len(reading.waiting) == len(full)
+    assert all(cache.layers[i].keys.shape[-2] == 300 and not hasattr(cache.layers[i], "row_weights") for i in full)
+    question = _context(5, seed=6)
+    with pytest.raises(ValueError, match=f"{len(full)} layers of the context are left to compress"):
+        with press(model), reading:
+            model.model(input_ids=question, past_key_values=cache, position_ids=torch.arange(300, 305)[None])
+    assert all(layer.keys.shape[-2] <= 300 for layer in cache.layers)
+    assert reading.compress_next() == len(full) - 1
+    assert hasattr(cache.layers[full[0]], "row_weights")
+    assert not any(hasattr(cache.layers[i], "row_weights") for i in full[1:])
+    left = [reading.compress_next(2)]
+    while left[-1]:
+        left.append(reading.compress_next(2))
+    assert left == [max(0, len(full) - 1 - 2 * k) for k in range(1, len(left) + 1)]
+    assert reading.done and not reading.compressing and reading.compress_next() == 0
+    _assert_same_cache(expected, cache, NYSTROM_ATOL if press_name == "paper" else ATOL)
+    with press(model), reading:  # a call after the context: read as after one call
+        model.model(input_ids=question, past_key_values=cache, position_ids=torch.arange(300, 305)[None])
+
+
+def test_deferred_compression_that_fails_puts_the_cache_back_empty(monkeypatch):
+    """A layer's compression that raises, a cache that grew before its layers were all compressed, or compressed
+    values that are not finite: ``compress_next`` raises, the cache is put back empty and the reading refuses more."""
+    model, ids = _model("llama"), _context(200, seed=7)
+    press = CompressKVPress(compression_ratio=0.5, seed=0)
+    cache, reading = _read_deferred(model, press, ids, 80)
+    with pytest.raises(ValueError, match="layers: must be an int >= 1, got 0"):
+        reading.compress_next(0)
+    with monkeypatch.context() as patch:
+        patch.setattr(type(press), "compress_middle", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            reading.compress_next()
+    assert cache.get_seq_length() == 0 and reading.failed and not reading.compressing
+    with pytest.raises(RuntimeError, match="a call of this context failed"):
+        reading.compress_next()
+
+    cache, reading = _read_deferred(model, press, ids, 80)
+    assert reading.compress_next() == 1
+    with press(model):  # a question outside the reading: the second layer grows to 203 rows
+        model.model(input_ids=ids[:, :3], past_key_values=cache, position_ids=torch.arange(200, 203)[None])
+    with pytest.raises(ValueError, match="layer 1 holds 203 rows where the context has 200"):
+        reading.compress_next()
+    assert cache.get_seq_length() == 0 and reading.failed
+
+    cache, reading = _read_deferred(model, press, ids, 80)
+    real = type(press).compress_middle
+
+    def overflowing(*args):
+        keys, values, weights = real(*args)
+        return keys, values, weights.index_fill(-1, torch.tensor([0]), float("inf"))
+
+    monkeypatch.setattr(type(press), "compress_middle", overflowing)
+    assert reading.compress_next() == 1  # the flags are read after the last layer (one sync)
+    with pytest.raises(ValueError, match="layer 0 compressed values: NaN or Inf after compression"):
+        reading.compress_next()
+    assert cache.get_seq_length() == 0 and reading.failed

@@ -36,7 +36,8 @@ def _engine_keeping_logits(model, chunk: int):
 @torch.no_grad()
 def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(family):
     """A 300-token context and a 10-token question, on engines with 64-token chunks and with 512: the chunked one
-    reads the context in 5 calls (64, ..., 300), then the question; its stored context (every layer's rows, weights,
+    reads the context in 5 calls (64, ..., 300), compresses one full-attention layer a round after them (a round
+    budget of 0 s: at least one layer), then reads the question; its stored context (every layer's rows, weights,
     clip range), first-token logits and session rows agree with the one-call engine's within float64 rounding
     (kvcompress.context_chunks: the same press on the same rows, sums in another order). gemma3: 16-token sliding
     layers."""
@@ -52,6 +53,7 @@ def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(famil
     results = {}
     for chunk in (64, 512):
         engine, logits = _engine_keeping_logits(model, chunk)
+        engine.compress_round_seconds = 0.0
         try:
             opening = engine.begin(Job(context, question, max_tokens=4, temperature=0))
             assert (opening.reading is not None) == (chunk == 64)
@@ -61,8 +63,11 @@ def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(famil
             stored = engine.stored(context).cache
             results[chunk] = (stored, logits[0], session)
             if chunk == 64:
-                assert read == [64, 128, 192, 256, ("question", 0)]  # the last context chunk, then the question
+                full = sum(getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers)
+                # the last context chunk, a round per layer's compression, then the question
+                assert read == [64, 128, 192, 256] + [300] * full + [("question", 0)]
                 assert opening.context_chunks == 5 and engine.metrics.context_chunks._value.get() == 5
+                assert opening.compress_rounds == full
                 assert opening.held_bytes == 0 and max(layer.keys.shape[-2] for layer in stored.layers) <= 150
         finally:
             engine.shutdown()
@@ -83,15 +88,17 @@ def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(famil
 def test_context_chunks_run_between_decode_steps_and_the_stored_context_serves_the_next_request():
     """16-token chunks: A (no context) decodes 40 tokens; E (a 10-token question) and B (a new 100-token context, a
     5-token question) arrive together after its first step, and B's context waits for the next round (E fed 10 of
-    its 16 tokens), then is read in 7 chunks, one between two decode steps; C (a short question, no context), sent
+    its 16 tokens), then is read in 7 chunks and compressed in 2 rounds (a layer a round: a round budget of 0 s), one
+    call between two decode steps; C (a short question, no context), sent
     after B's second chunk, opens while B's context is read; D (B's context again, after it) takes the stored
     context: no context call of its own. The uncompressed rows B holds while its context is read count against the
-    memory budget (``held_bytes``) until its last chunk."""
+    memory budget (``held_bytes``) until its last layer is compressed."""
     from kvcompress.registry import make_press
     from kvcompress.serve.jobs import Job
 
     model = tiny_model("llama", seed=5)
     engine = _engine(model, make_press("compresskv", 0.5, 0), prefill_chunk=16, compress_min_tokens=0)
+    engine.compress_round_seconds = 0.0
     g = torch.Generator().manual_seed(2)
     ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
     document = ids(100)
@@ -132,7 +139,8 @@ def test_context_chunks_run_between_decode_steps_and_the_stored_context_serves_t
         engine.shutdown()
     assert closed == {"A": 40, "B": 3, "C": 5, "D": 2, "E": 2}
     context_calls = [i for i, call in enumerate(calls) if call == ("context", "B")]
-    assert len(context_calls) == 7 and engine.metrics.context_chunks._value.get() == 7
+    assert len(model.model.layers) == 2 and len(context_calls) == 7 + 2  # chunks, then compression rounds
+    assert engine.metrics.context_chunks._value.get() == 7
     for before, after in zip(context_calls, context_calls[1:], strict=False):
         assert any(call[0] == "decode" for call in calls[before:after]), calls
     assert ("context", "D") not in calls and ("question", "D") in calls
@@ -149,8 +157,50 @@ def test_context_chunks_run_between_decode_steps_and_the_stored_context_serves_t
     first_c = calls.index(("question", "C"))
     assert context_calls[0] < first_c < context_calls[-1]  # C passed B's context
     b_held = [held_bytes for rid, held_bytes in held if rid == "B"]
-    assert b_held[:6] == [100 * engine.full_row_bytes] * 6 and b_held[6:] == [0, 0]  # until the last chunk
+    assert b_held[:8] == [100 * engine.full_row_bytes] * 8 and b_held[8:] == [0, 0]  # until the last layer
     assert engine.metrics.prefills._value.get() == 1
+
+
+def test_a_compression_round_lasts_about_one_chunk(monkeypatch):
+    """After a context's last chunk its layers are compressed a round at a time: one layer, then more while the round
+    has run for less than its chunks' mean time (3 chunks in 3.0 s: 1.0 s), or ``compress_round_seconds``. Here each
+    layer takes 0.4 s of a fake clock: 8 layers go 3, 3, 2 (then 1 a round with a 0 s budget)."""
+    from types import SimpleNamespace
+
+    from kvcompress.serve import contexts
+    from kvcompress.serve.contexts import ContextSource
+    from kvcompress.serve.jobs import Job, Opening
+
+    clock = [0.0]
+    monkeypatch.setattr(contexts.time, "perf_counter", lambda: clock[0])
+
+    class Layers:  # the reading's side: compress_next(1) takes 0.4 s a layer
+        def __init__(self, count):
+            self.waiting = count
+
+        def compress_next(self, layers=1):
+            count = self.waiting if layers is None else min(layers, self.waiting)
+            clock[0] += 0.4 * count
+            self.waiting -= count
+            return self.waiting
+
+    for budget, expected in ((None, [3, 3, 2]), (0.0, [1] * 8), (10.0, [8])):
+        engine = SimpleNamespace(model=SimpleNamespace(device=torch.device("cpu")), compress_round_seconds=budget)
+        reading = Layers(8)
+        opening = Opening(Job([1] * 300, [1], max_tokens=1), None, None, 0.0, reading=reading, context_chunks=3,
+                          context_seconds=3.0)  # fmt: skip
+        rounds = []
+        while reading.waiting:
+            before = reading.waiting
+            ContextSource._compress_round(engine, opening, every_layer=False)
+            rounds.append(before - reading.waiting)
+        assert rounds == expected, (budget, rounds)
+        assert opening.compress_rounds == len(expected)
+        assert opening.compress_seconds == pytest.approx(3.2) and opening.context_seconds == pytest.approx(6.2)
+    reading = Layers(8)
+    ContextSource._compress_round(engine, Opening(Job([1], [1], max_tokens=1), None, None, 0.0, reading=reading),
+                                  every_layer=True)  # fmt: skip
+    assert reading.waiting == 0
 
 
 @pytest.mark.slow
@@ -209,6 +259,7 @@ def test_new_turns_after_a_stored_turn_are_read_in_chunks_as_in_one_call():
     results = {}
     for chunk in (64, 512):
         engine, logits = _engine_keeping_logits(model, chunk)
+        engine.compress_round_seconds = 0.0
         try:
             opening = engine.begin(Job(first, question, max_tokens=2, temperature=0))
             while engine.feed(opening, chunk) is None:  # the first context, in chunks (64) or one call (512)

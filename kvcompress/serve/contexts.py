@@ -7,7 +7,8 @@ A context is read in chunks of ``--prefill-chunk`` tokens (:meth:`ContextSource.
 under a press that reads its sources call by call (:mod:`kvcompress.context_chunks`: compressed after its last chunk
 as one call compresses it; its uncompressed rows held against the memory budget until then), or the new turns after
 a stored earlier turn (prefilled exact, as in one call). Otherwise one call does it (:meth:`ContextSource.
-context_cache`).
+context_cache`). A new context's layers are compressed in the rounds after its last chunk, a few layers a round, each
+round about as long as one of its chunks: its last chunk then stalls the other answers no longer than the others do.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class ContextSource:
     """A mixin of the engine: it reads ``model``, ``press``, ``store``, ``metrics``, ``model_name``, ``press_label``,
     ``prefix_min_fraction``, ``compress_min_tokens``, ``full_row_bytes`` and ``scheduler`` (its ``prefill_chunk``
     and ``memory``)."""
+
+    compress_round_seconds: float | None = None  # layers compressed a round after a context's last chunk, until
+    # this long (at least one layer); None: its chunks' mean time
 
     def stored(self, context_ids: list[int]):
         """The store entry of exactly this context, or None (marks it used)."""
@@ -150,15 +154,17 @@ class ContextSource:
         if reading == "new":
             self.metrics.context_misses.inc()
             self.metrics.prefills.inc()
-            return self.press.context_in_chunks(n), DynamicCache(), n * self.full_row_bytes
+            reading = self.press.context_in_chunks(n, defer_compression=True)
+            return reading, DynamicCache(), n * self.full_row_bytes
         prefix = reading[1]
         self.metrics.context_hits.labels(kind="prefix").inc()
         return TailRead(prefix.tokens, n), answer_view(prefix.cache), 0  # the tail's rows are stored as they are
 
     def read_chunk(self, opening: Opening, tokens: int | None) -> None:
         """Prefill the next ``tokens`` context tokens of ``opening`` (all that are left when None): under the press
-        for a new context, exact for the new turns after a stored earlier one. After the last, the context is stored
-        (compressed, or extended) and ``opening.cache`` becomes a view of it."""
+        for a new context, exact for the new turns after a stored earlier one; once a new context's tokens are all
+        read, compress its next layers instead (:meth:`_compress_round`; all of them when None). After that, the
+        context is stored (compressed, or extended) and ``opening.cache`` becomes a view of it."""
         job, reading, cache = opening.job, opening.reading, opening.context_cache
         n, start = len(job.context_ids), reading.read
         end = n if tokens is None else min(n, start + tokens)
@@ -166,12 +172,15 @@ class ContextSource:
         if isinstance(reading, TailRead):
             self._prefill_at(cache, job.context_ids, start, end)
             reading.read = end
-        else:  # a call that fails puts the cache back empty, and the request fails
+        elif not reading.compressing:  # a call that fails puts the cache back empty, and the request fails
             with self.press(self.model), reading:
                 self._prefill_at(cache, job.context_ids, start, end)
-        opening.context_chunks += 1
-        opening.context_seconds += time.perf_counter() - began
-        self.metrics.context_chunks.inc()
+        if start < end:
+            opening.context_chunks += 1
+            self.metrics.context_chunks.inc()
+            opening.context_seconds += time.perf_counter() - began
+        if not isinstance(reading, TailRead) and reading.compressing and (start == end or tokens is None):
+            self._compress_round(opening, every_layer=tokens is None)
         if not reading.done:
             return
         if isinstance(reading, TailRead):
@@ -179,12 +188,33 @@ class ContextSource:
                      "exact in %.2f s (%d chunks between decode steps)", job.rid, reading.stored, n,
                      n - reading.stored, opening.context_seconds, opening.context_chunks)  # fmt: skip
         else:
-            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s (%d chunks between decode "
-                     "steps)", job.rid, n, cache.get_seq_length(0), opening.context_seconds,
-                     opening.context_chunks)  # fmt: skip
+            log.info("request %s prefill+compress: %d context tokens -> %d rows in %.2f s (%d chunks and %d "
+                     "compression rounds between decode steps)", job.rid, n, cache.get_seq_length(0),
+                     opening.context_seconds, opening.context_chunks, opening.compress_rounds)  # fmt: skip
         self.metrics.prefill_seconds.observe(opening.context_seconds)
         self.store.put((tuple(job.context_ids), self.model_name, self.press_label), cache, n)
         self.metrics.set_store(self.store.stats())
         opening.cache, opening.reading, opening.context_cache = answer_view(cache), None, None
         opening.held_bytes = 0
 
+
+    def _compress_round(self, opening: Opening, every_layer: bool) -> None:
+        """Compress the next layers of a new context whose tokens are all read: one, then more while this round has
+        run for less than ``compress_round_seconds`` (its chunks' mean time when None); all of them if
+        ``every_layer``. A layer whose compression fails puts the cache back empty, and the request fails."""
+        reading, device = opening.reading, self.model.device
+        budget = self.compress_round_seconds
+        if budget is None:
+            budget = (opening.context_seconds - opening.compress_seconds) / max(1, opening.context_chunks)
+        began = time.perf_counter()
+        left = reading.compress_next(None if every_layer else 1)
+        while left:
+            if device.type == "cuda":  # the time the layers took on the device, not their launches'
+                torch.cuda.synchronize(device)
+            if time.perf_counter() - began >= budget:
+                break
+            left = reading.compress_next(1)
+        seconds = time.perf_counter() - began
+        opening.compress_rounds += 1
+        opening.compress_seconds += seconds
+        opening.context_seconds += seconds

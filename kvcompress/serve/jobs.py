@@ -139,4 +139,6 @@ class Opening:
     context_cache: Any = None
     held_bytes: int = 0
     context_chunks: int = 0
-    context_seconds: float = 0.0
+    compress_rounds: int = 0  # rounds its layers were compressed in, after its last chunk, and their time
+    compress_seconds: float = 0.0
+    context_seconds: float = 0.0  # the chunks' and the compression rounds' time
