@@ -7,8 +7,8 @@ A random-weight Qwen2.5-7B-shaped model (``eval.speed``'s config, ``--layers`` o
 behind the server's :class:`~kvcompress.serve.engine.Engine`: no press (the contexts stay whole: what is measured is
 the worker's schedule, not the compression), a stub tokenizer (requests are token ids), eager decode steps. With
 ``--arrives context`` the arriving request's ``--question`` tokens are a new context and a 16-token question comes
-after them, under the default press (25% kept), which reads it in ``--prefill-chunk`` pieces and compresses it after
-the last. Per
+after them, under the default press (25% kept), which reads it in ``--prefill-chunk`` pieces and compresses its
+layers in the rounds after the last (``compression_rounds``). Per
 ``--chunks`` entry (the server's ``--prefill-chunk``; 0: none, the question in one piece), ``--sessions`` requests
 of ``--context`` tokens and a 16-token question decode greedily when one request with a ``--question``-token
 question arrives. Reported per entry: the median decode step before it arrived, the longest gap between two decode
@@ -55,7 +55,7 @@ def one_chunk_size(model, args: argparse.Namespace, chunk: int) -> dict:
                     metrics=ServerMetrics(), max_batch=args.sessions + 1, max_queue=args.sessions + 1,
                     compile_decode="off", prefill_chunk=chunk or args.question, memory=1 << 40)
     engine.eos_ids = set()  # random weights: the sessions decode until cancelled
-    steps, chunks, first = [], [], []
+    steps, chunks, first, compressed = [], [], [], [0]
     decode, feed = engine.decode, engine.feed
 
     def timed_decode(batch, tokens, positions):
@@ -69,6 +69,7 @@ def one_chunk_size(model, args: argparse.Namespace, chunk: int) -> dict:
         sync()
         if opening.job.rid == "long":
             chunks.append(time.perf_counter())
+            compressed[0] = opening.compress_rounds
             if session is not None:
                 first.append(chunks[-1])
         return session
@@ -105,7 +106,8 @@ def one_chunk_size(model, args: argparse.Namespace, chunk: int) -> dict:
         "median_step_ms_before": statistics.median(steady) * 1e3,
         "longest_gap_ms": max(gaps) * 1e3,
         "steps_until_first_token": len(window) - 2,
-        "chunks_fed": len(chunks),
+        "chunks_fed": len(chunks),  # the engine's feed calls: context chunks, compression rounds, question chunks
+        "compression_rounds": compressed[0],
         "ttft_ms": (first[0] - arrival) * 1e3,
     }
 

@@ -13,8 +13,11 @@ handing_over_prefill_rows`), and the call that reaches token ``n`` compresses ev
 would. The sources read so are ``"novelty"`` (the keys alone, at the end), ``"window"`` (the last
 ``observation_window`` queries, carried from call to call with their normalisers and outputs) and ``"induction"``
 (each query's recall of the key after it, span by span: :func:`kvcompress.selection.recall_score`): the default
-press's. A press reading other sources (a repeat pass, sampled or all prefill queries at once) is refused, and says
-why. Calls after the context (a question, decode steps) run as after a one-call prefill.
+press's. A repeat pass (``"repeat"``: ``thorough()``, ``balanced()``, ``kvzip()``) runs after the last call, layer
+by layer as :meth:`~kvcompress.repeat_hooks.RepeatPassHooks._repeat_layer_by_layer` runs it after a one-call
+prefill, each layer compressed before the next is read (on a model without sliding-window layers). A press reading
+sampled or all prefill queries at once is refused, and says why. Calls after the context (a question, decode steps)
+run as after a one-call prefill.
 
 With ``defer_compression=True`` the last call only records each layer's references: its layers are then compressed
 by :meth:`ContextChunks.compress_next`, a few at a time (a server spreads them over the rounds between decode
@@ -40,7 +43,7 @@ from kvcompress.selection import causal_row_lse, recall_score
 if TYPE_CHECKING:
     from kvcompress.weighted_press import WeightedSubsetPress
 
-CHUNKED_SOURCES = ("window", "novelty", "induction")
+CHUNKED_SOURCES = ("window", "novelty", "induction", "repeat")
 
 
 class ChunkedReference(NamedTuple):
@@ -84,6 +87,9 @@ class ContextChunks:
         self.call: tuple[int, int] | None = None  # the running call's span of the context
         self.failed = False
         self.defer_compression = defer_compression
+        self._repeat = "repeat" in sources  # the last call defers every layer: the pass runs after it
+        self._ids: list[torch.Tensor] = []  # the context's token ids, call by call: the repeat pass reads them again
+        self._decoder, self._shift, self._hidden = None, None, None  # the repeat pass's decoder, positions, states
         self.waiting: list[tuple] = []  # (cache, layer state) of the layers the last call left to compress
         self._flags: list = []  # their compressed values' finite flags, read after the last
         self.wants_rows = bool({"window", "induction"} & set(sources))
@@ -105,6 +111,12 @@ class ContextChunks:
     def compressing(self) -> bool:
         """Whether every context token has been read and layers are left to :meth:`compress_next`."""
         return bool(self.waiting)
+
+    @property
+    def defers(self) -> bool:
+        """Whether the last call leaves its layers to :meth:`compress_next` (asked for, or a repeat pass's: it runs
+        after the last call, at its end unless asked for)."""
+        return self.defer_compression or self._repeat
 
     @property
     def last_call(self) -> bool:
@@ -130,9 +142,10 @@ class ContextChunks:
         if stack is not None:
             stack.close()
 
-    def begin_call(self, cache, batch: int, tokens: int, attention_mask, device: torch.device) -> bool:
-        """The decoder's pre-hook: check a call of ``tokens`` tokens and start it; False for a call after the
-        context (read as usual)."""
+    def begin_call(self, cache, inputs: torch.Tensor, attention_mask, input_ids, position_ids) -> bool:
+        """The decoder's pre-hook: check a call of ``inputs`` (its token ids ``[b, c]`` or embeddings ``[b, c,
+        hidden]``) and start it; False for a call after the context (read as usual)."""
+        batch, tokens, device = inputs.shape[0], inputs.shape[1], inputs.device
         if self.done:
             return False
         if self.compressing:
@@ -164,10 +177,13 @@ class ContextChunks:
                 self._scores.clear()
                 self._tails.clear()
                 self.waiting.clear()
+                self._ids, self._hidden = [], None
                 restore()
 
             self.restore = put_back
         self.call = (self.read, self.read + tokens)
+        if self._repeat:
+            self._start_repeat(input_ids, position_ids)
         if self._slot is not None:
             self._slot.unpadded = True
         return True
@@ -189,6 +205,9 @@ class ContextChunks:
             check_int_range("layers", layers, 1)
         if self.failed:
             raise RuntimeError("context_in_chunks: a call of this context failed and its cache was put back empty")
+        if self._repeat and self.waiting and not self.press._entered:
+            raise RuntimeError(f"compress_next: {type(self.press).__name__} reads reference 'repeat', a pass through "
+                               f"the model's layers: call it inside `with press(model):`")  # fmt: skip
         count = len(self.waiting) if layers is None else min(layers, len(self.waiting))
         try:
             for _ in range(count):
@@ -198,16 +217,53 @@ class ContextChunks:
                 if held != self.tokens:
                     raise ValueError(f"context_in_chunks: layer {layer} holds {held} rows where the context has "
                                      f"{self.tokens}: a call ran on the cache before its layers were all compressed")
+                if self._repeat:
+                    self._repeat_through(cache, state)
                 self.press._compress_layer(cache, state, self._flags)
                 self.waiting.pop(0)
             if not self.waiting and count:
                 flags, self._flags = self._flags, []
                 refuse_non_finite_layers(flags, cache.layers[layer].keys.dtype)
         except BaseException:
-            self.waiting.clear()
             self.restore()
             raise
         return len(self.waiting)
+
+    def _repeat_through(self, cache, state: dict) -> None:
+        """The repeat pass through the next waiting layer (the first: the repeated tokens embedded), inside the
+        press's block (its attention hooks record the queries)."""
+        press = self.press
+        if self._hidden is None:
+            layers = [waiting["module"].layer_idx for _, waiting in self.waiting]
+            if layers != list(range(len(self._decoder.layers))):  # a layer left out would break the pass's chain
+                raise ValueError(f"context_in_chunks: a repeat pass runs through every layer in order; layers "
+                                 f"{layers} of {len(self._decoder.layers)} wait to be compressed")  # fmt: skip
+            ids, self._ids = torch.cat(self._ids, dim=1), []
+            references = [waiting["references"][0] for _, waiting in self.waiting]
+            self._hidden = press._embedded_chunks(self._decoder, ids, references)
+        press._repeat_through(self._decoder, cache, state, self._hidden, self._shift)
+        if len(self.waiting) == 1:
+            self._hidden = None
+
+    def _start_repeat(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
+        """A call of a context a repeat pass reads again: keep its token ids (and, in the last call, where its
+        positions put the repeated tokens), refusing what the layer-by-layer pass cannot read."""
+        press, decoder = self.press, self.press._call[0]
+        name = type(press).__name__
+        if input_ids is None:
+            raise ValueError(f"input_ids: {name} with reference 'repeat' reads the context's token ids a second "
+                             f"time; call the model with input_ids (not inputs_embeds)")  # fmt: skip
+        if any(window is not None for window in press._windows):
+            raise ValueError(f"context_in_chunks: {name} with reference 'repeat' reads the context again layer by "
+                             f"layer after its last call, which a model with sliding-window layers cannot; read the "
+                             f"context in one call")  # fmt: skip
+        if not (hasattr(decoder, "rotary_emb") and hasattr(decoder, "embed_tokens")):
+            raise ValueError(f"context_in_chunks: {name} with reference 'repeat' runs the pass through each layer with "
+                             f"the decoder's embed_tokens and rotary_emb, which {type(decoder).__name__} lacks")
+        self._ids.append(input_ids)
+        self._decoder = decoder
+        if self.call[1] == self.tokens and position_ids is not None:  # the tokens after the context's last position
+            self._shift = position_ids[:, -1] + 1 - self.tokens
 
     def add(self, layer_idx: int, rows: PrefillRows, keys: torch.Tensor, scaling: float) -> None:
         """Keep layer ``layer_idx``'s part of the running call: its queries' recall scores of the keys after them
@@ -240,12 +296,16 @@ class ContextChunkHooks:
     ``_attention_mask``, ``_rows`` and ``_prefilled``): what the press refuses, each call's start (the decoder's
     pre-hook) and each layer's part of it (the layer's hook)."""
 
-    def chunk_refusal(self) -> str | None:
-        """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None."""
-        others = [source for source in self.reference_sources() if source not in CHUNKED_SOURCES]
+    def chunk_refusal(self, windows: list[int | None] | None = None) -> str | None:
+        """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None. ``windows``: the
+        model's sliding window per layer (None where a layer sees every token), where known."""
+        sources = self.reference_sources()
+        others = [source for source in sources if source not in CHUNKED_SOURCES]
         if others:
-            return (f"reads reference={others} (all prefill queries at once or a second pass over the context); "
-                    f"a context read in chunks gives {list(CHUNKED_SOURCES)}")  # fmt: skip
+            return (f"reads reference={others} (all prefill queries at once); a context read in chunks gives "
+                    f"{list(CHUNKED_SOURCES)}")  # fmt: skip
+        if "repeat" in sources and windows is not None and any(window is not None for window in windows):
+            return "reads reference 'repeat', which runs after the chunks layer by layer: not on sliding-window layers"
         return None
 
     def chunk_tail_rows(self) -> int:
@@ -260,12 +320,12 @@ class ContextChunkHooks:
         are compressed by the reading's ``compress_next()`` after the last call, not in it."""
         return ContextChunks(self, tokens, defer_compression)
 
-    def _begin_chunk(self, cache, tokens: torch.Tensor, mask) -> None:
+    def _begin_chunk(self, cache, inputs: torch.Tensor, mask, input_ids, position_ids) -> None:
         """A call while the press reads a context in chunks (:mod:`kvcompress.context_chunks`): checked and started
         there; a call of the context puts the cache back empty if it fails, and its last call is a prefill this
         press compresses (sliding layers cut after it)."""
         chunks = self._chunks
-        if chunks.begin_call(cache, tokens.shape[0], tokens.shape[1], mask, tokens.device):
+        if chunks.begin_call(cache, inputs, mask, input_ids, position_ids):
             self._restore = chunks.restore
             self._attention_mask, self._rows = None, None  # checked: no padding
             self._prefilled = chunks.last_call and self.plan(chunks.tokens) is not None

@@ -54,8 +54,8 @@ class PrefillCallHooks:
             self._finite, self._positions, self._rows, self._restore = [], (None, None, False), None, None
             self._refuse_before_the_prefill(argument("inputs_embeds", 4), argument("past_key_values", 3))
             if self._chunks is not None:
-                tokens = ids if ids is not None else argument("inputs_embeds", 4)
-                self._begin_chunk(argument("past_key_values", 3), tokens, mask)
+                inputs = ids if ids is not None else argument("inputs_embeds", 4)
+                self._begin_chunk(argument("past_key_values", 3), inputs, mask, ids, self._position_ids)
 
     def _refuse_before_the_prefill(self, inputs_embeds: torch.Tensor | None, cache) -> None:
         """Raise, before any layer writes the cache, for a call this press would compress but refuse in a layer's

@@ -132,8 +132,9 @@ def record_prefill(
     hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
     n = keys.shape[-2]
     first = 0  # the position of the handed rows' first query
-    if chunked is not None:
-        handed, first = chunked.rows, n - chunked.rows.queries.shape[-2]
+    if chunked is not None:  # rows None: the press reads no query of the prefill (a repeat pass alone)
+        handed = chunked.rows
+        first = 0 if handed is None else n - handed.queries.shape[-2]
     else:
         handed = take_prefill_rows(module.layer_idx) if "induction" in sources else None
         if handed is not None and handed.queries.shape[-2] != n:  # a generate() chunk's last call, read as one

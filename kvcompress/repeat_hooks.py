@@ -69,10 +69,11 @@ class RepeatPassHooks:
             and hasattr(decoder, "embed_tokens")
         )
 
-    def _embedded_chunks(self, references: list[LayerReference]) -> list[torch.Tensor]:
-        """The embeddings of the repeated tokens (:meth:`repeat_positions` of the context, given the waiting layers'
-        ``references``), in chunks."""
-        decoder, input_ids = self._call
+    def _embedded_chunks(
+        self, decoder: torch.nn.Module, input_ids: torch.Tensor, references: list[LayerReference]
+    ) -> list[torch.Tensor]:
+        """The embeddings of the repeated tokens (:meth:`repeat_positions` of the context ``input_ids [b, n]``,
+        given the waiting layers' ``references``), in chunks."""
         pieces = self.repeat_positions(input_ids.shape[1], input_ids.device, references)
         ids = input_ids if pieces is None else input_ids[:, pieces]
         with torch.no_grad():
@@ -83,7 +84,7 @@ class RepeatPassHooks:
         layer right after its prefill; else False."""
         if layer_idx != 0 or self.repeat_reads_references() or not self._streamable(state):
             return False
-        return self._embedded_chunks([])
+        return self._embedded_chunks(*self._call, [])
 
     @torch.no_grad()  # the press's work runs outside autograd (WeightedSubsetPress's docstring)
     def _repeat_streamed(self, layer: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -98,10 +99,7 @@ class RepeatPassHooks:
         if self._stream is False:
             self._park(cache, layer_idx, state)
             return
-        repeat_tokens = sum(chunk.shape[1] for chunk in self._stream)
-        with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
-            shift = self._position_shift(None, state["tokens"])
-            repeat_through_layer(layer, self._call[0], self._stream, cache, layer_idx, shift)
+        self._repeat_through(self._call[0], cache, state, self._stream, self._position_shift(None, state["tokens"]))
         self._compress_beside(cache, self._pending.pop(layer_idx))
 
     def _position_shift(self, row: tuple[int, torch.Tensor] | None, tokens: int) -> torch.Tensor | None:
@@ -187,13 +185,20 @@ class RepeatPassHooks:
         compressed (its full cache freed) before the next; the same cache as the whole-model pass, whose chunks go
         through every layer in turn while every layer holds its full cache. ``parked``: the layers waiting in host
         memory, each brought back when its turn comes (the next one's copy started meanwhile)."""
-        hidden = self._embedded_chunks([state["references"][0] for state in pending.values()])
-        repeat_tokens = sum(chunk.shape[1] for chunk in hidden)
+        hidden = self._embedded_chunks(*self._call, [state["references"][0] for state in pending.values()])
         for layer_idx, state in pending.items():
             if parked is not None:
                 parked.restore(cache.layers[layer_idx], layer_idx)
                 parked.prefetch(layer_idx + 1)
-            with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
-                shift = self._position_shift(None, state["tokens"])
-                repeat_through_layer(decoder.layers[layer_idx], decoder, hidden, cache, layer_idx, shift)
+            self._repeat_through(decoder, cache, state, hidden, self._position_shift(None, state["tokens"]))
             self._compress_beside(cache, state)
+
+    def _repeat_through(
+        self, decoder: torch.nn.Module, cache, state: dict, hidden: list[torch.Tensor], shift: torch.Tensor | None
+    ) -> None:
+        """The repeat pass through one waiting layer (``state``: what its prefill recorded), its queries recorded
+        into its reference: the repeated tokens' ``hidden`` states entering it become its outputs, in place."""
+        layer_idx = state["module"].layer_idx
+        repeat_tokens = sum(chunk.shape[1] for chunk in hidden)
+        with self._reading_again({layer_idx: state["references"][0]}, cache, repeat_tokens):
+            repeat_through_layer(decoder.layers[layer_idx], decoder, hidden, cache, layer_idx, shift)

@@ -277,6 +277,8 @@ class WeightedSubsetPress(
             return
         if self._chunks is not None and self._chunks.call is not None:
             self._chunks.end_call()
+            if self._chunks.compressing and not self._chunks.defer_compression:  # a repeat pass, after the last call
+                self._chunks.compress_next(None)
         restore, self._restore = self._restore, None  # this call went through: nothing for _undo_a_failed_prefill
         if not self._prefilled:
             return
@@ -365,7 +367,7 @@ class WeightedSubsetPress(
             ]
         take_prefill_rows(module.layer_idx)  # what the prefill's attention handed over and no recording took goes now
         state = dict(module=module, references=references, plans=plans, rows=rows, tokens=n)
-        if chunked is not None and self._chunks.defer_compression:  # compressed by the reading's compress_next()
+        if chunked is not None and self._chunks.defers:  # compressed by the reading's compress_next()
             self._chunks.waiting.append((cache, state))
         elif "repeat" in self.reference_sources():
             self._pending[module.layer_idx] = state

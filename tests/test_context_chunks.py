@@ -141,8 +141,8 @@ def test_a_question_after_the_chunks_is_read_as_after_one_call():
 def test_refusals_name_the_reason_and_leave_the_cache_empty():
     model = _model("llama")
     press = CompressKVPress(compression_ratio=0.5, seed=0)
-    with pytest.raises(ValueError, match="context_in_chunks: CompressKVPress reads reference=\\['repeat'\\]"):
-        CompressKVPress.thorough(compression_ratio=0.5).context_in_chunks(100)
+    with pytest.raises(ValueError, match="context_in_chunks: CompressKVPress reads reference=\\['context'\\]"):
+        CompressKVPress(compression_ratio=0.5, reference=("window", "context")).context_in_chunks(100)
     with pytest.raises(ValueError, match="query_radius='queries'"):
         CompressKVPress.paper(compression_ratio=0.5, query_radius="queries").context_in_chunks(100)
     with pytest.raises(ValueError, match="tokens: must be an int >= 1, got 0"):
@@ -282,3 +282,55 @@ def test_deferred_compression_that_fails_puts_the_cache_back_empty(monkeypatch):
     with pytest.raises(ValueError, match="layer 0 compressed values: NaN or Inf after compression"):
         reading.compress_next()
     assert cache.get_seq_length() == 0 and reading.failed
+
+
+REPEAT_PRESSES = {
+    "thorough": lambda: CompressKVPress.thorough(compression_ratio=0.5, seed=0, repeat_chunk=48),
+    "balanced": lambda: CompressKVPress.balanced(compression_ratio=0.5, seed=0, repeat_fraction=0.25, repeat_span=16),
+    "kvzip": lambda: CompressKVPress.kvzip(compression_ratio=0.5, seed=0),
+}
+
+
+@pytest.mark.parametrize("press_name", list(REPEAT_PRESSES))
+def test_a_repeat_pass_after_the_chunks_keeps_the_one_call_cache(press_name):
+    """A press with a repeat pass (the whole context re-read, max-pooled: ``thorough()``, ``kvzip()``; the most novel
+    quarter in pieces chosen from every layer's novelty: ``balanced()``): the context read in chunks of 7, 64 and 299
+    tokens, the pass run layer by layer after the last call (at its end, or deferred: one layer per
+    ``compress_next`` inside the press's block) gives the one-call cache within float64 rounding."""
+    model, ids = _model("llama"), _context(300, seed=12)
+    press = REPEAT_PRESSES[press_name]()
+    expected = _one_call(model, press, ids)
+    for chunk in (7, 64, 299):
+        _assert_same_cache(expected, prefill_in_chunks(model, press, ids, chunk))
+    cache, reading = _read_deferred(model, press, ids, 64)
+    assert len(reading.waiting) == len(model.model.layers)
+    assert all(not hasattr(layer, "row_weights") and layer.keys.shape[-2] == 300 for layer in cache.layers)
+    with pytest.raises(RuntimeError, match="reads reference 'repeat', a pass through the model's layers"):
+        reading.compress_next()  # outside the press's block: refused, nothing changed
+    assert not reading.failed and len(reading.waiting) == len(model.model.layers)
+    with press(model):
+        while reading.compress_next():
+            pass
+    _assert_same_cache(expected, cache)
+
+
+def test_a_repeat_pass_after_the_chunks_refuses_what_it_cannot_read():
+    """Sliding-window layers (the pass runs layer by layer: ``chunk_refusal`` names them where the model's windows
+    are known, the first call refuses them otherwise) and embeddings without token ids: refused before any layer
+    runs, the cache left empty."""
+    press = CompressKVPress.thorough(compression_ratio=0.5, seed=0)
+    assert press.chunk_refusal([None, None]) is None
+    assert "not on sliding-window layers" in press.chunk_refusal([16, None])
+    assert CompressKVPress(compression_ratio=0.5).chunk_refusal([16, None]) is None
+    model, ids = _model("gemma3"), _context(100, seed=13)
+    cache = DynamicCache()
+    with pytest.raises(ValueError, match="which a model with sliding-window layers cannot; read the context in one"):
+        with press(model), press.context_in_chunks(100):
+            model.model(input_ids=ids[:, :50], past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    model = _model("llama")
+    embeds = model.model.embed_tokens(ids[:, :50])
+    with pytest.raises(ValueError, match="input_ids: CompressKVPress with reference 'repeat' reads the context's"):
+        with press(model), press.context_in_chunks(100):
+            model.model(inputs_embeds=embeds, past_key_values=cache)
+    assert cache.get_seq_length() == 0

@@ -22,8 +22,9 @@ def test_the_smoke_run_reports_each_chunk_sizes_schedule(tmp_path):
 
 
 def test_the_smoke_run_reads_an_arriving_context_in_chunks(tmp_path):
-    """``--arrives context``: the 300 tokens are a new context under the default press, read in ceil(300 / 64) chunks
-    and then its 16-token question (one feed more); without chunks, one call and the question."""
+    """``--arrives context``: the 300 tokens are a new context under the default press, read in ceil(300 / 64) chunks,
+    its 2 layers compressed in one or two rounds after them, then its 16-token question (one feed more); without
+    chunks, one call (compressed in it) and the question."""
     from eval.probe_prefill_chunks import main
 
     out = tmp_path / "chunks.json"
@@ -31,5 +32,7 @@ def test_the_smoke_run_reads_an_arriving_context_in_chunks(tmp_path):
                  "0", "64", "--arrives", "context", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["arrives"] == "context"
-    assert [r["chunks_fed"] for r in result["runs"]] == [1, 5 + 1]  # ceil(300 / 64) context chunks, the question
+    rounds = [r["compression_rounds"] for r in result["runs"]]
+    assert rounds[0] == 0 and rounds[1] in (1, 2)
+    assert [r["chunks_fed"] for r in result["runs"]] == [1, 5 + rounds[1] + 1]  # context chunks, rounds, question
     assert result["runs"][1]["steps_until_first_token"] >= 5

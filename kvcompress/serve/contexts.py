@@ -40,8 +40,8 @@ class TailRead:
 
 class ContextSource:
     """A mixin of the engine: it reads ``model``, ``press``, ``store``, ``metrics``, ``model_name``, ``press_label``,
-    ``prefix_min_fraction``, ``compress_min_tokens``, ``full_row_bytes`` and ``scheduler`` (its ``prefill_chunk``
-    and ``memory``)."""
+    ``prefix_min_fraction``, ``compress_min_tokens``, ``full_row_bytes``, ``repeat_row_bytes``, ``windows`` (the
+    model's sliding window per layer) and ``scheduler`` (its ``prefill_chunk`` and ``memory``)."""
 
     compress_round_seconds: float | None = None  # layers compressed a round after a context's last chunk, until
     # this long (at least one layer); None: its chunks' mean time
@@ -120,8 +120,9 @@ class ContextSource:
         """Whether this context is read in chunks of ``--prefill-chunk`` tokens between decode steps: not stored,
         and either the new turns after a stored earlier turn are longer than a chunk, or it is new, longer than a
         chunk, compressed (not under ``--compress-min-tokens``) under a press that reads its sources call by call
-        (the default press does; a repeat pass or a kvpress press needs one call), with its uncompressed rows within
-        the memory budget."""
+        (the default press does; a press with a repeat pass too, on a model without sliding-window layers, the pass
+        run layer by layer in the rounds after the last chunk; a kvpress press needs one call), with its
+        uncompressed rows within the memory budget."""
         return self._reading(context_ids) is not None
 
     def _reading(self, context_ids: list[int]) -> str | tuple | None:
@@ -133,16 +134,22 @@ class ContextSource:
         prefix = self._prefix(tuple(context_ids))
         if prefix is not None:
             return ("tail", prefix) if n - prefix.tokens > chunk else None
-        if press is None or n < self.compress_min_tokens or n * self.full_row_bytes > self.scheduler.memory:
+        if press is None or n < self.compress_min_tokens or self._held_bytes(n) > self.scheduler.memory:
             return None
-        if not hasattr(press, "chunk_refusal") or press.chunk_refusal() is not None:
+        if not hasattr(press, "chunk_refusal") or press.chunk_refusal(self.windows) is not None:
             return None
         return "new"
 
     def bytes_held_while_read(self, context_ids: list[int]) -> int:
         """What reading this context holds beyond its estimate until its last chunk: a new context read in chunks,
         all its rows uncompressed; else 0 (new turns after a stored one are stored as they are)."""
-        return len(context_ids) * self.full_row_bytes if self._reading(context_ids) == "new" else 0
+        return self._held_bytes(len(context_ids)) if self._reading(context_ids) == "new" else 0
+
+    def _held_bytes(self, tokens: int) -> int:
+        """What a new context of ``tokens`` tokens read in chunks holds until compressed: its uncompressed rows and,
+        under a press with a repeat pass, the repeated tokens' hidden states (at most all of them)."""
+        repeat = self.repeat_row_bytes if "repeat" in getattr(self.press, "reference_sources", tuple)() else 0
+        return tokens * (self.full_row_bytes + repeat)
 
     def start_reading(self, context_ids: list[int]) -> tuple | None:
         """For a context :meth:`reads_in_chunks`: ``(reading, cache it fills, bytes it holds uncompressed until its
@@ -155,7 +162,7 @@ class ContextSource:
             self.metrics.context_misses.inc()
             self.metrics.prefills.inc()
             reading = self.press.context_in_chunks(n, defer_compression=True)
-            return reading, DynamicCache(), n * self.full_row_bytes
+            return reading, DynamicCache(), self._held_bytes(n)
         prefix = reading[1]
         self.metrics.context_hits.labels(kind="prefix").inc()
         return TailRead(prefix.tokens, n), answer_view(prefix.cache), 0  # the tail's rows are stored as they are
@@ -207,13 +214,14 @@ class ContextSource:
         if budget is None:
             budget = (opening.context_seconds - opening.compress_seconds) / max(1, opening.context_chunks)
         began = time.perf_counter()
-        left = reading.compress_next(None if every_layer else 1)
-        while left:
-            if device.type == "cuda":  # the time the layers took on the device, not their launches'
-                torch.cuda.synchronize(device)
-            if time.perf_counter() - began >= budget:
-                break
-            left = reading.compress_next(1)
+        with self.press(self.model):  # a repeat pass's layers record their queries through the press's hooks
+            left = reading.compress_next(None if every_layer else 1)
+            while left:
+                if device.type == "cuda":  # the time the layers took on the device, not their launches'
+                    torch.cuda.synchronize(device)
+                if time.perf_counter() - began >= budget:
+                    break
+                left = reading.compress_next(1)
         seconds = time.perf_counter() - began
         opening.compress_rounds += 1
         opening.compress_seconds += seconds
