@@ -165,9 +165,10 @@ def test_context_chunks_run_between_decode_steps_and_the_stored_context_serves_t
 
 
 def test_a_compression_round_lasts_about_one_chunk(monkeypatch):
-    """After a context's last chunk its layers are compressed a round at a time: one layer, then more while the round
-    has run for less than its chunks' mean time (3 chunks in 3.0 s: 1.0 s), or ``compress_round_seconds``. Here each
-    layer takes 0.4 s of a fake clock: 8 layers go 3, 3, 2 (then 1 a round with a 0 s budget)."""
+    """After a context's last chunk its layers are compressed a round at a time: one layer, then another while the
+    round's time plus the last layer's stays within its chunks' mean time (3 chunks in 3.0 s: 1.0 s), or
+    ``compress_round_seconds``. Here each layer takes 0.4 s of a fake clock: 8 layers go 2 a round (0.8 s; a third
+    would end at 1.2 s), 1 a round with a 0 s budget, all in one with 10 s."""
     import contextlib
     from types import SimpleNamespace
 
@@ -188,7 +189,7 @@ def test_a_compression_round_lasts_about_one_chunk(monkeypatch):
             self.waiting -= count
             return self.waiting
 
-    for budget, expected in ((None, [3, 3, 2]), (0.0, [1] * 8), (10.0, [8])):
+    for budget, expected in ((None, [2, 2, 2, 2]), (0.0, [1] * 8), (10.0, [8])):
         engine = SimpleNamespace(model=SimpleNamespace(device=torch.device("cpu")), compress_round_seconds=budget,
                                  press=lambda model: contextlib.nullcontext())  # fmt: skip
         reading = Layers(8)

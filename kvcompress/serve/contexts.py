@@ -141,8 +141,9 @@ class ContextSource:
         return "new"
 
     def bytes_held_while_read(self, context_ids: list[int]) -> int:
-        """What reading this context holds beyond its estimate until its last chunk: a new context read in chunks,
-        all its rows uncompressed; else 0 (new turns after a stored one are stored as they are)."""
+        """What reading this context holds beyond its estimate until it is compressed: a new context read in chunks,
+        all its rows uncompressed (:meth:`_held_bytes`); else 0 (new turns after a stored one are stored as they
+        are)."""
         return self._held_bytes(len(context_ids)) if self._reading(context_ids) == "new" else 0
 
     def _held_bytes(self, tokens: int) -> int:
@@ -152,8 +153,8 @@ class ContextSource:
         return tokens * (self.full_row_bytes + repeat)
 
     def start_reading(self, context_ids: list[int]) -> tuple | None:
-        """For a context :meth:`reads_in_chunks`: ``(reading, cache it fills, bytes it holds uncompressed until its
-        last chunk)``, nothing read yet (the context counted a miss or a prefix hit now); else None."""
+        """For a context :meth:`reads_in_chunks`: ``(reading, cache it fills, bytes it holds uncompressed until it is
+        compressed)``, nothing read yet (the context counted a miss or a prefix hit now); else None."""
         reading = self._reading(context_ids)
         if reading is None:
             return None
@@ -204,23 +205,25 @@ class ContextSource:
         opening.cache, opening.reading, opening.context_cache = answer_view(cache), None, None
         opening.held_bytes = 0
 
-
     def _compress_round(self, opening: Opening, every_layer: bool) -> None:
-        """Compress the next layers of a new context whose tokens are all read: one, then more while this round has
-        run for less than ``compress_round_seconds`` (its chunks' mean time when None); all of them if
-        ``every_layer``. A layer whose compression fails puts the cache back empty, and the request fails."""
+        """Compress the next layers of a new context whose tokens are all read: one, then another while the round's
+        time so far plus the last layer's stays within ``compress_round_seconds`` (its chunks' mean time when None),
+        so a round outlasts a chunk only by a layer slower than the one before; all of them if ``every_layer``. A
+        layer whose compression fails puts the cache back empty, and the request fails."""
         reading, device = opening.reading, self.model.device
         budget = self.compress_round_seconds
         if budget is None:
             budget = (opening.context_seconds - opening.compress_seconds) / max(1, opening.context_chunks)
-        began = time.perf_counter()
+        began = last = time.perf_counter()
         with self.press(self.model):  # a repeat pass's layers record their queries through the press's hooks
             left = reading.compress_next(None if every_layer else 1)
             while left:
                 if device.type == "cuda":  # the time the layers took on the device, not their launches'
                     torch.cuda.synchronize(device)
-                if time.perf_counter() - began >= budget:
+                now = time.perf_counter()
+                if 2 * now - last - began > budget:  # (now - began) + the last layer's (now - last)
                     break
+                last = now
                 left = reading.compress_next(1)
         seconds = time.perf_counter() - began
         opening.compress_rounds += 1

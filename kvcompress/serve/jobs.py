@@ -134,7 +134,7 @@ class Opening:
     seconds: float = 0.0  # question prefill time so far
     logits: torch.Tensor | None = None  # [vocab] after the last chunk: the first token's (its other choices share it)
     # A new context read in chunks before the question (kvcompress.context_chunks): its reading, the cache it fills
-    # (``cache`` is None until its last chunk has run and it is stored), the uncompressed bytes it holds meanwhile
+    # (``cache`` is None until it is read, compressed and stored), the uncompressed bytes it holds meanwhile
     reading: Any = None
     context_cache: Any = None
     held_bytes: int = 0
