@@ -7,8 +7,9 @@ A random-weight Qwen2.5-7B-shaped model (``eval.speed``'s config, ``--layers`` o
 behind the server's :class:`~kvcompress.serve.engine.Engine`: no press (the contexts stay whole: what is measured is
 the worker's schedule, not the compression), a stub tokenizer (requests are token ids), eager decode steps. With
 ``--arrives context`` the arriving request's ``--question`` tokens are a new context and a 16-token question comes
-after them, under the default press (25% kept), which reads it in ``--prefill-chunk`` pieces and compresses its
-layers in the rounds after the last (``compression_rounds``). Per
+after them, under the default press (``--press``: or ``thorough()``/``balanced()``, whose repeat pass runs layer by
+layer in those rounds; 25% kept), which reads it in ``--prefill-chunk`` pieces and compresses its layers in the
+rounds after the last (``compression_rounds``). Per
 ``--chunks`` entry (the server's ``--prefill-chunk``; 0: none, the question in one piece), ``--sessions`` requests
 of ``--context`` tokens and a 16-token question decode greedily when one request with a ``--question``-token
 question arrives. Reported per entry: the median decode step before it arrived, the longest gap between two decode
@@ -49,9 +50,12 @@ def one_chunk_size(model, args: argparse.Namespace, chunk: int) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     from kvcompress import CompressKVPress
 
-    press = CompressKVPress(compression_ratio=0.75) if args.arrives == "context" else None
+    press = None
+    if args.arrives == "context":
+        press = CompressKVPress(compression_ratio=0.75) if args.press == "default" else \
+            getattr(CompressKVPress, args.press)(compression_ratio=0.75)  # fmt: skip
     engine = Engine(model, SimpleNamespace(eos_token_id=None, decode=lambda ids, skip_special_tokens=True: ""),
-                    model_name="m", press=press, press_label="default", store=ContextStore(1 << 40),
+                    model_name="m", press=press, press_label=args.press, store=ContextStore(1 << 40),
                     metrics=ServerMetrics(), max_batch=args.sessions + 1, max_queue=args.sessions + 1,
                     compile_decode="off", prefill_chunk=chunk or args.question, memory=1 << 40)
     engine.eos_ids = set()  # random weights: the sessions decode until cancelled
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arrives", choices=("question", "context"), default="question",
                    help="what the --question tokens are: a question (no press), or a new context read under the "
                         "default press, with a 16-token question after it")
+    p.add_argument("--press", choices=("default", "thorough", "balanced"), default="default",
+                   help="with --arrives context: the press it is read under (default: CompressKVPress())")
     p.add_argument("--output", help="JSON file for the numbers")
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu (smoke: not a measurement)",
         "layers": args.layers, "sessions": args.sessions, "context": args.context, "question": args.question,
-        "arrives": args.arrives,
+        "arrives": args.arrives, "press": args.press if args.arrives == "context" else None,
         "runs": [one_chunk_size(model, args, chunk) for chunk in args.chunks],
     }
     print_and_write(result, args.output)

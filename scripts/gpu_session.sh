@@ -46,7 +46,9 @@
 #                   gap between two decode steps and the question's first token, per --prefill-chunk (0, 2048, 512,
 #                   128; `eval.probe_prefill_chunks`, DECODE_LAYERS layers; since the forty-fifth session)
 #   context_chunks  the same when an 8k-token new context arrives, read under the default press in --prefill-chunk
-#                   pieces and compressed after the last (`--arrives context`; since the forty-sixth session)
+#                   pieces and compressed after the last (`--arrives context`; since the forty-sixth session), a
+#                   few layers a round (since the forty-seventh)
+#   context_chunks_balanced  the same under balanced(), its repeat pass one layer after another in those rounds
 #   decode_nocudnn  decode_32768_b1 with sdpa kept off cuDNN (`--no-cudnn-sdpa`): whether the stock eager steps'
 #                   37-40 ms (4 layers, the seventeenth session) are cuDNN building a plan per new key length
 #   speed_kernels   copy bandwidth, compress_kv's and the weighted decode's rooflines (`--only kernels`)
@@ -71,7 +73,7 @@ SETTINGS_64K=${SETTINGS_64K:-none snapkv default default_overlap balanced none_c
 SETTINGS_8K=${SETTINGS_8K:-none snapkv default default_nofit balanced balanced_eighth thorough}
 decode_steps=$(for c in $DECODE_CONTEXTS; do for b in $DECODE_BATCHES; do printf 'decode_%s_b%s ' "$c" "$b"; done; done)
 STEPS=${STEPS:-kernel_tests prefill_32768 $decode_steps decode_batch overlap bench_fit_known bench_fit prefill_65536 prefill_chunks \
-context_chunks decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
+context_chunks context_chunks_balanced decode_nocudnn speed_kernels weighted_prefill prefill_8192 tiles syncs lse_chunk attention_tests repeat_attention}
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -162,6 +164,10 @@ tail -45 "$OUT/prefill_chunks.log" 2>/dev/null
 step context_chunks 90 $PY -m eval.probe_prefill_chunks --layers "$DECODE_LAYERS" --arrives context \
     --output "$OUT/context_chunks.json"
 tail -45 "$OUT/context_chunks.log" 2>/dev/null
+
+step context_chunks_balanced 90 $PY -m eval.probe_prefill_chunks --layers "$DECODE_LAYERS" --arrives context \
+    --press balanced --chunks 0 512 --output "$OUT/context_chunks_balanced.json"
+tail -30 "$OUT/context_chunks_balanced.log" 2>/dev/null
 
 step decode_nocudnn 110 $PY -m eval.speed --only decode --decode-contexts 32768 --decode-batch-sizes 1 \
     --model-layers "$DECODE_LAYERS" --no-cudnn-sdpa --output "$OUT/decode_nocudnn.json"

@@ -36,3 +36,18 @@ def test_the_smoke_run_reads_an_arriving_context_in_chunks(tmp_path):
     assert rounds[0] == 0 and rounds[1] in (1, 2)
     assert [r["chunks_fed"] for r in result["runs"]] == [1, 5 + rounds[1] + 1]  # context chunks, rounds, question
     assert result["runs"][1]["steps_until_first_token"] >= 5
+
+
+def test_the_smoke_run_reads_an_arriving_context_under_balanced_in_chunks(tmp_path):
+    """``--press balanced``: the context is read in ceil(300 / 64) chunks, its repeat pass and compression in the
+    rounds after them (at least one), then the question; in one call without chunks."""
+    from eval.probe_prefill_chunks import main
+
+    out = tmp_path / "balanced.json"
+    assert main(["--smoke", "--layers", "2", "--sessions", "2", "--context", "48", "--question", "300", "--chunks",
+                 "0", "64", "--arrives", "context", "--press", "balanced", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["press"] == "balanced"
+    one_call, chunked = result["runs"]
+    assert one_call["compression_rounds"] == 0 and one_call["chunks_fed"] == 1
+    assert chunked["compression_rounds"] in (1, 2) and chunked["chunks_fed"] == 5 + chunked["compression_rounds"] + 1
