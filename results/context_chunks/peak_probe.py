@@ -4,6 +4,7 @@ model's weights and the interpreter are in both; their difference is the prefill
 
     python results/context_chunks/peak_probe.py --tokens 4096 --chunk 0      # one call
     python results/context_chunks/peak_probe.py --tokens 4096 --chunk 512    # chunks of 512
+    python results/context_chunks/peak_probe.py --tokens 4096 --chunk 512 --press thorough   # its repeat pass
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=0, help="0: one call")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--press", choices=("default", "thorough", "balanced"), default="default")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import DynamicCache
@@ -37,7 +39,8 @@ def main() -> None:
 
     model, _ = load_model()
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    press = CompressKVPress(compression_ratio=0.75)
+    press = CompressKVPress(compression_ratio=0.75) if args.press == "default" else \
+        getattr(CompressKVPress, args.press)(compression_ratio=0.75)  # fmt: skip
     with torch.no_grad():
         prefill_in_chunks(model, press, ids[:, :256], 128)  # warm-up: kernels, calibration files, allocator
         before = peak_rss_mib()
@@ -50,7 +53,7 @@ def main() -> None:
                 model.model(input_ids=ids, past_key_values=cache)
         seconds = time.perf_counter() - start
     rows = sum(layer.keys.shape[-2] for layer in cache.layers)
-    print(json.dumps(dict(tokens=args.tokens, chunk=args.chunk, seconds=round(seconds, 3),
+    print(json.dumps(dict(press=args.press, tokens=args.tokens, chunk=args.chunk, seconds=round(seconds, 3),
                           peak_rss_mib=round(peak_rss_mib(), 1), peak_before_mib=round(before, 1), rows=rows)))
 
 
