@@ -175,6 +175,7 @@ def test_a_compression_round_lasts_about_one_chunk(monkeypatch):
     from kvcompress.serve import contexts
     from kvcompress.serve.contexts import ContextSource
     from kvcompress.serve.jobs import Job, Opening
+    from kvcompress.serve.metrics import ServerMetrics
 
     clock = [0.0]
     monkeypatch.setattr(contexts.time, "perf_counter", lambda: clock[0])
@@ -191,7 +192,7 @@ def test_a_compression_round_lasts_about_one_chunk(monkeypatch):
 
     for budget, expected in ((None, [2, 2, 2, 2]), (0.0, [1] * 8), (10.0, [8])):
         engine = SimpleNamespace(model=SimpleNamespace(device=torch.device("cpu")), compress_round_seconds=budget,
-                                 press=lambda model: contextlib.nullcontext())  # fmt: skip
+                                 press=lambda model: contextlib.nullcontext(), metrics=ServerMetrics())  # fmt: skip
         reading = Layers(8)
         opening = Opening(Job([1] * 300, [1], max_tokens=1), None, None, 0.0, reading=reading, context_chunks=3,
                           context_seconds=3.0)  # fmt: skip
@@ -201,7 +202,7 @@ def test_a_compression_round_lasts_about_one_chunk(monkeypatch):
             ContextSource._compress_round(engine, opening, every_layer=False)
             rounds.append(before - reading.waiting)
         assert rounds == expected, (budget, rounds)
-        assert opening.compress_rounds == len(expected)
+        assert opening.compress_rounds == len(expected) == engine.metrics.compress_rounds._value.get()
         assert opening.compress_seconds == pytest.approx(3.2) and opening.context_seconds == pytest.approx(6.2)
     reading = Layers(8)
     ContextSource._compress_round(engine, Opening(Job([1], [1], max_tokens=1), None, None, 0.0, reading=reading),
@@ -212,7 +213,8 @@ def test_a_compression_round_lasts_about_one_chunk(monkeypatch):
 @pytest.mark.slow
 def test_a_server_reads_a_long_context_in_chunks_beside_a_stream(embedded_dir, tmp_path):
     """A real server, ``--prefill-chunk 128``: a document of ~700 tokens as the context part of a message, sent while
-    another answer streams, is read in ceil(n / 128) chunks (the log and ``/metrics``), and both get the answers a
+    another answer streams, is read in ceil(n / 128) chunks and compressed in the rounds after them (the log and
+    ``/metrics``), and both get the answers a
     server reading it in one call (``--prefill-chunk 100000``) gives them."""
     import concurrent.futures
 
@@ -233,15 +235,17 @@ def test_a_server_reads_a_long_context_in_chunks_beside_a_stream(embedded_dir, t
                 long = pool.submit(ask, base, doc_question(document, "What is this text about?"), 12)
                 answers[chunk] = (streaming.result(), long.result())
             metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
-        found = re.findall(r"prefill\+compress: (\d+) context tokens -> \d+ rows in [\d.]+ s(?: \((\d+) chunks)?",
-                           log_path.read_text())
-        tokens, chunks = max((int(n), int(k or 1)) for n, k in found)
+        found = re.findall(r"prefill\+compress: (\d+) context tokens -> \d+ rows in [\d.]+ s"
+                           r"(?: \((\d+) chunks and (\d+) compression rounds)?", log_path.read_text())
+        tokens, chunks, rounds = max((int(n), int(k or 1), int(r or 0)) for n, k, r in found)
         assert tokens > 600
         counted = float(re.search(r"^kvcompress_context_chunks_total (\S+)$", metrics, re.M).group(1))
+        counted_rounds = float(re.search(r"^kvcompress_context_compress_rounds_total (\S+)$", metrics, re.M).group(1))
         if chunk == 128:
             assert chunks == -(-tokens // 128) and counted == chunks
+            assert rounds >= 1 and counted_rounds == rounds  # the layers compressed after the last chunk
         else:
-            assert chunks == 1 and counted == 0
+            assert chunks == 1 and counted == 0 and rounds == 0 and counted_rounds == 0
     assert answers[128] == answers[100000]
 
 

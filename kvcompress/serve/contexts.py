@@ -227,5 +227,6 @@ class ContextSource:
                 left = reading.compress_next(1)
         seconds = time.perf_counter() - began
         opening.compress_rounds += 1
+        self.metrics.compress_rounds.inc()
         opening.compress_seconds += seconds
         opening.context_seconds += seconds

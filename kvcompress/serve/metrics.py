@@ -39,6 +39,9 @@ class ServerMetrics:
         self.context_chunks = Counter(f"{PREFIX}_context_chunks", "calls of contexts read in chunks (a new context "
                                       "longer than --prefill-chunk, under a press that can, takes several, one "
                                       "between two decode steps)", registry=r)
+        self.compress_rounds = Counter(f"{PREFIX}_context_compress_rounds", "rounds in which a context read in chunks "
+                                       "had its next layers compressed (and a repeat pass run through them), after "
+                                       "its last chunk", registry=r)
         self.shared_prefills = Counter(f"{PREFIX}_shared_question_prefills", "choices (n > 1) that took another "
                                        "choice's question prefill instead of their own", registry=r)
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
