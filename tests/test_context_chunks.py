@@ -99,7 +99,8 @@ def test_without_handed_rows_the_press_reads_the_chunks_queries_itself(monkeypat
 
 def test_generate_with_prefill_chunks_answers_as_one_call():
     """``model.generate(..., prefill_chunk_size=C)`` inside ``press.context_in_chunks(n)``: the same greedy tokens
-    and the same compressed context as generate's one-call prefill under the press. Without it the press would see a
+    and the same compressed context as generate's one-call prefill under the press (the default, and ``thorough()``,
+    whose repeat pass runs at the end of the last chunk's call). Without it the press would see a
     first chunk as the whole context (kvpress's own presses do) and keep the rest uncompressed."""
     model, ids = _model("llama"), _context(240, seed=6)
     press = CompressKVPress(compression_ratio=0.5, seed=0)
@@ -123,6 +124,14 @@ def test_generate_with_prefill_chunks_answers_as_one_call():
         assert a.keys.shape == b.keys.shape and a.keys.shape[-2] < 240  # compressed, then 5 decoded rows
         torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=ATOL)
         torch.testing.assert_close(b.row_weights, a.row_weights, rtol=0, atol=ATOL)
+    thorough = CompressKVPress.thorough(compression_ratio=0.5, seed=0, repeat_chunk=64)  # its pass after the last chunk
+    with thorough(model):
+        whole = model.generate(ids, past_key_values=DynamicCache(), **options)
+    with thorough(model), thorough.context_in_chunks(ids.shape[1]):
+        chunked = model.generate(ids, past_key_values=DynamicCache(), prefill_chunk_size=50, **options)
+    assert torch.equal(chunked.sequences, whole.sequences)
+    for a, b in zip(whole.past_key_values.layers, chunked.past_key_values.layers, strict=True):
+        torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=ATOL)
 
 
 def test_a_question_after_the_chunks_is_read_as_after_one_call():
