@@ -13,10 +13,11 @@ handing_over_prefill_rows`), and the call that reaches token ``n`` compresses ev
 would. The sources read so are ``"novelty"`` (the keys alone, at the end), ``"window"`` (the last
 ``observation_window`` queries, carried from call to call with their normalisers and outputs) and ``"induction"``
 (each query's recall of the key after it, span by span: :func:`kvcompress.selection.recall_score`): the default
-press's. A repeat pass (``"repeat"``: ``thorough()``, ``balanced()``, ``kvzip()``) runs after the last call, layer
-by layer as :meth:`~kvcompress.repeat_hooks.RepeatPassHooks._repeat_layer_by_layer` runs it after a one-call
-prefill, each layer compressed before the next is read (on a model without sliding-window layers). A press reading
-sampled or all prefill queries at once is refused, and says why. Calls after the context (a question, decode steps)
+press's. A repeat pass (``"repeat"``: ``thorough()``, ``balanced()``, ``kvzip()``) runs after the last call, as
+after a one-call prefill: layer by layer (:meth:`~kvcompress.repeat_hooks.RepeatPassHooks._repeat_layer_by_layer`),
+each layer compressed before the next is read, or, on a model with sliding-window layers, through the whole model
+before the first layer is compressed. A press reading sampled or all prefill queries at once is refused, and says
+why. Calls after the context (a question, decode steps)
 run as after a one-call prefill.
 
 With ``defer_compression=True`` the last call only records each layer's references: its layers are then compressed
@@ -90,6 +91,7 @@ class ContextChunks:
         self._repeat = "repeat" in sources  # the last call defers every layer: the pass runs after it
         self._ids: list[torch.Tensor] = []  # the context's token ids, call by call: the repeat pass reads them again
         self._decoder, self._shift, self._hidden = None, None, None  # the repeat pass's decoder, positions, states
+        self._layer_by_layer = True  # else the whole-model pass (sliding-window layers), run before the first layer
         self.waiting: list[tuple] = []  # (cache, layer state) of the layers the last call left to compress
         self._flags: list = []  # their compressed values' finite flags, read after the last
         self.wants_rows = bool({"window", "induction"} & set(sources))
@@ -231,8 +233,15 @@ class ContextChunks:
 
     def _repeat_through(self, cache, state: dict) -> None:
         """The repeat pass through the next waiting layer (the first: the repeated tokens embedded), inside the
-        press's block (its attention hooks record the queries)."""
+        press's block (its attention hooks record the queries); on a model with sliding-window layers the whole
+        pass, before the first waiting layer."""
         press = self.press
+        if not self._layer_by_layer:
+            if self._ids:
+                ids, self._ids = torch.cat(self._ids, dim=1), []
+                references = {waiting["module"].layer_idx: waiting["references"][0] for _, waiting in self.waiting}
+                press._repeat_whole_model(self._decoder, cache, ids, references, self._shift)
+            return
         if self._hidden is None:
             layers = [waiting["module"].layer_idx for _, waiting in self.waiting]
             if layers != list(range(len(self._decoder.layers))):  # a layer left out would break the pass's chain
@@ -247,19 +256,14 @@ class ContextChunks:
 
     def _start_repeat(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
         """A call of a context a repeat pass reads again: keep its token ids (and, in the last call, where its
-        positions put the repeated tokens), refusing what the layer-by-layer pass cannot read."""
+        positions put the repeated tokens); the pass runs layer by layer where the model allows it (no
+        sliding-window layer, a decoder with its own embedding and rotary tables), else through the whole model."""
         press, decoder = self.press, self.press._call[0]
-        name = type(press).__name__
         if input_ids is None:
-            raise ValueError(f"input_ids: {name} with reference 'repeat' reads the context's token ids a second "
-                             f"time; call the model with input_ids (not inputs_embeds)")  # fmt: skip
-        if any(window is not None for window in press._windows):
-            raise ValueError(f"context_in_chunks: {name} with reference 'repeat' reads the context again layer by "
-                             f"layer after its last call, which a model with sliding-window layers cannot; read the "
-                             f"context in one call")  # fmt: skip
-        if not (hasattr(decoder, "rotary_emb") and hasattr(decoder, "embed_tokens")):
-            raise ValueError(f"context_in_chunks: {name} with reference 'repeat' runs the pass through each layer with "
-                             f"the decoder's embed_tokens and rotary_emb, which {type(decoder).__name__} lacks")
+            raise ValueError(f"input_ids: {type(press).__name__} with reference 'repeat' reads the context's token ids "
+                             f"a second time; call the model with input_ids (not inputs_embeds)")  # fmt: skip
+        self._layer_by_layer = all(window is None for window in press._windows) and \
+            hasattr(decoder, "rotary_emb") and hasattr(decoder, "embed_tokens")  # fmt: skip
         self._ids.append(input_ids)
         self._decoder = decoder
         if self.call[1] == self.tokens and position_ids is not None:  # the tokens after the context's last position
@@ -296,16 +300,13 @@ class ContextChunkHooks:
     ``_attention_mask``, ``_rows`` and ``_prefilled``): what the press refuses, each call's start (the decoder's
     pre-hook) and each layer's part of it (the layer's hook)."""
 
-    def chunk_refusal(self, windows: list[int | None] | None = None) -> str | None:
-        """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None. ``windows``: the
-        model's sliding window per layer (None where a layer sees every token), where known."""
+    def chunk_refusal(self) -> str | None:
+        """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None."""
         sources = self.reference_sources()
         others = [source for source in sources if source not in CHUNKED_SOURCES]
         if others:
             return (f"reads reference={others} (all prefill queries at once); a context read in chunks gives "
                     f"{list(CHUNKED_SOURCES)}")  # fmt: skip
-        if "repeat" in sources and windows is not None and any(window is not None for window in windows):
-            return "reads reference 'repeat', which runs after the chunks layer by layer: not on sliding-window layers"
         return None
 
     def chunk_tail_rows(self) -> int:

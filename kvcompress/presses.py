@@ -250,10 +250,10 @@ class CompressKVPress(WeightedSubsetPress):
     def reads_values(self) -> bool:
         return self.novelty_value_norm and "novelty" in self.reference and self.selection != "rpnys"
 
-    def chunk_refusal(self, windows: list[int | None] | None = None) -> str | None:
+    def chunk_refusal(self) -> str | None:
         if self.selection == "rpnys" and self.query_radius == "queries":
             return "reads query_radius='queries' (every prefill query's norm at once); use query_radius='keys'"
-        return super().chunk_refusal(windows)
+        return super().chunk_refusal()
 
     def chunk_tail_rows(self) -> int:
         return max(1, self.observation_window) if "window" in self.reference_sources() else 1

@@ -169,14 +169,21 @@ class RepeatPassHooks:
             row_cache = cache if index is None else row_view_cache(cache, b, index)
             row_ids = input_ids if index is None else input_ids[b : b + 1, index.to(input_ids.device)]
             shift = self._position_shift(None if index is None else (b, index), tokens)
-            references = [state["references"][b] for state in pending.values()]
-            pieces = self.repeat_positions(row_ids.shape[1], row_ids.device, references)
-            row_ids = row_ids if pieces is None else row_ids[:, pieces]
             row_references = {i: state["references"][b] for i, state in pending.items()}
-            with self._reading_again(row_references, row_cache, row_ids.shape[1]):
-                repeat_context(decoder, row_ids, row_cache, self.repeat_chunk, self._snapshot, shift)
+            self._repeat_whole_model(decoder, row_cache, row_ids, row_references, shift)
         for state in pending.values():
             self._compress_layer(cache, state)
+
+    def _repeat_whole_model(
+        self, decoder: torch.nn.Module, cache, input_ids: torch.Tensor, references: dict[int, LayerReference],
+        shift: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """The whole-model repeat pass over one unpadded context ``input_ids [1, n]`` (its :meth:`repeat_positions`,
+        given the waiting layers' ``references``), every layer of ``references`` recording its queries."""
+        pieces = self.repeat_positions(input_ids.shape[1], input_ids.device, list(references.values()))
+        input_ids = input_ids if pieces is None else input_ids[:, pieces]
+        with self._reading_again(references, cache, input_ids.shape[1]):
+            repeat_context(decoder, input_ids, cache, self.repeat_chunk, self._snapshot, shift)
 
     def _repeat_layer_by_layer(
         self, decoder: torch.nn.Module, cache, pending: dict[int, dict], parked: ParkedLayers | None

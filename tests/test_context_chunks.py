@@ -300,44 +300,37 @@ REPEAT_PRESSES = {
 }
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("press_name", list(REPEAT_PRESSES))
-def test_a_repeat_pass_after_the_chunks_keeps_the_one_call_cache(press_name):
+def test_a_repeat_pass_after_the_chunks_keeps_the_one_call_cache(family, press_name):
     """A press with a repeat pass (the whole context re-read, max-pooled: ``thorough()``, ``kvzip()``; the most novel
     quarter in pieces chosen from every layer's novelty: ``balanced()``): the context read in chunks of 7, 64 and 299
-    tokens, the pass run layer by layer after the last call (at its end, or deferred: one layer per
-    ``compress_next`` inside the press's block) gives the one-call cache within float64 rounding."""
-    model, ids = _model("llama"), _context(300, seed=12)
+    tokens, the pass run after the last call (at its end, or deferred: one layer per ``compress_next`` inside the
+    press's block) gives the one-call cache within float64 rounding. Llama: the pass layer by layer; gemma3 (16-token
+    sliding layers): through the whole model before the first layer is compressed, as after one call."""
+    model, ids = _model(family), _context(300, seed=12)
     press = REPEAT_PRESSES[press_name]()
     expected = _one_call(model, press, ids)
     for chunk in (7, 64, 299):
         _assert_same_cache(expected, prefill_in_chunks(model, press, ids, chunk))
     cache, reading = _read_deferred(model, press, ids, 64)
-    assert len(reading.waiting) == len(model.model.layers)
-    assert all(not hasattr(layer, "row_weights") and layer.keys.shape[-2] == 300 for layer in cache.layers)
+    full = [i for i, layer in enumerate(model.model.layers) if getattr(layer.self_attn, "sliding_window", None) is None]
+    assert [state["module"].layer_idx for _, state in reading.waiting] == full
+    assert all(not hasattr(cache.layers[i], "row_weights") and cache.layers[i].keys.shape[-2] == 300 for i in full)
     with pytest.raises(RuntimeError, match="reads reference 'repeat', a pass through the model's layers"):
         reading.compress_next()  # outside the press's block: refused, nothing changed
-    assert not reading.failed and len(reading.waiting) == len(model.model.layers)
+    assert not reading.failed and len(reading.waiting) == len(full)
     with press(model):
         while reading.compress_next():
             pass
     _assert_same_cache(expected, cache)
 
 
-def test_a_repeat_pass_after_the_chunks_refuses_what_it_cannot_read():
-    """Sliding-window layers (the pass runs layer by layer: ``chunk_refusal`` names them where the model's windows
-    are known, the first call refuses them otherwise) and embeddings without token ids: refused before any layer
-    runs, the cache left empty."""
+def test_a_repeat_pass_after_the_chunks_refuses_embeddings():
+    """A repeat pass re-reads the context's token ids: a chunk given as embeddings is refused before any layer runs,
+    the cache left empty."""
     press = CompressKVPress.thorough(compression_ratio=0.5, seed=0)
-    assert press.chunk_refusal([None, None]) is None
-    assert "not on sliding-window layers" in press.chunk_refusal([16, None])
-    assert CompressKVPress(compression_ratio=0.5).chunk_refusal([16, None]) is None
-    model, ids = _model("gemma3"), _context(100, seed=13)
-    cache = DynamicCache()
-    with pytest.raises(ValueError, match="which a model with sliding-window layers cannot; read the context in one"):
-        with press(model), press.context_in_chunks(100):
-            model.model(input_ids=ids[:, :50], past_key_values=cache)
-    assert cache.get_seq_length() == 0
-    model = _model("llama")
+    model, ids, cache = _model("llama"), _context(100, seed=13), DynamicCache()
     embeds = model.model.embed_tokens(ids[:, :50])
     with pytest.raises(ValueError, match="input_ids: CompressKVPress with reference 'repeat' reads the context's"):
         with press(model), press.context_in_chunks(100):

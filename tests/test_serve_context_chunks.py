@@ -41,8 +41,8 @@ def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(famil
     budget of 0 s: at least one layer), then reads the question; its stored context (every layer's rows, weights,
     clip range), first-token logits and session rows agree with the one-call engine's within float64 rounding
     (kvcompress.context_chunks: the same press on the same rows, sums in another order). gemma3: 16-token sliding
-    layers. ``thorough()``: its repeat pass runs through one layer a round after the chunks; on gemma3's sliding
-    layers it cannot, and the context is read in one call."""
+    layers. ``thorough()``: its repeat pass runs through one layer a round after the chunks (gemma3: through the
+    whole model, in the first round)."""
     from kvcompress.hf_attention import use_weighted_attention
     from kvcompress.serve.jobs import Job
 
@@ -58,7 +58,7 @@ def test_a_context_read_in_chunks_gives_the_one_call_store_and_first_token(famil
         engine.compress_round_seconds = 0.0
         try:
             opening = engine.begin(Job(context, question, max_tokens=4, temperature=0))
-            chunked = chunk == 64 and not (family == "gemma3" and method == "compresskv_thorough")
+            chunked = chunk == 64
             assert (opening.reading is not None) == chunked
             read = []
             while (session := engine.feed(opening, chunk)) is None:

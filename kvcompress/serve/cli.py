@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "compresskv_thorough re-reads all of it (4.3x on CPU, 4.2x on an H200) and keeps the most "
                         "of the continuation: choose it when the text written right after the context matters "
                         "more than the prefill; both read a long context in --prefill-chunk pieces as the default "
-                        "does, their second reading one layer a round after the pieces, so the other answers stall "
-                        "about a chunk, not a whole prefill, on a model without sliding-window layers)")
+                        "does, their second reading one layer a round after the pieces (whole in one round on a "
+                        "model with sliding-window layers), so the other answers stall about a chunk, not a whole "
+                        "prefill)")
     p.add_argument("--ratio", type=float, default=0.25, help="KEPT fraction of each context's cache (default 0.25)")
     p.add_argument("--press-option", action="append", default=[], metavar="[METHOD.]FIELD=VALUE",
                    help="one press field other than its default, e.g. window_size=128 (repeatable; default: none)")

@@ -40,8 +40,8 @@ class TailRead:
 
 class ContextSource:
     """A mixin of the engine: it reads ``model``, ``press``, ``store``, ``metrics``, ``model_name``, ``press_label``,
-    ``prefix_min_fraction``, ``compress_min_tokens``, ``full_row_bytes``, ``repeat_row_bytes``, ``windows`` (the
-    model's sliding window per layer) and ``scheduler`` (its ``prefill_chunk`` and ``memory``)."""
+    ``prefix_min_fraction``, ``compress_min_tokens``, ``full_row_bytes``, ``repeat_row_bytes`` and ``scheduler``
+    (its ``prefill_chunk`` and ``memory``)."""
 
     compress_round_seconds: float | None = None  # layers compressed a round after a context's last chunk, until
     # this long (at least one layer); None: its chunks' mean time
@@ -120,9 +120,9 @@ class ContextSource:
         """Whether this context is read in chunks of ``--prefill-chunk`` tokens between decode steps: not stored,
         and either the new turns after a stored earlier turn are longer than a chunk, or it is new, longer than a
         chunk, compressed (not under ``--compress-min-tokens``) under a press that reads its sources call by call
-        (the default press does; a press with a repeat pass too, on a model without sliding-window layers, the pass
-        run layer by layer in the rounds after the last chunk; a kvpress press needs one call), with its
-        uncompressed rows within the memory budget."""
+        (the default press does; a press with a repeat pass too, the pass run in the rounds after the last chunk,
+        layer by layer, or whole in the first of them on a model with sliding-window layers; a kvpress press needs
+        one call), with its uncompressed rows within the memory budget."""
         return self._reading(context_ids) is not None
 
     def _reading(self, context_ids: list[int]) -> str | tuple | None:
@@ -136,7 +136,7 @@ class ContextSource:
             return ("tail", prefix) if n - prefix.tokens > chunk else None
         if press is None or n < self.compress_min_tokens or self._held_bytes(n) > self.scheduler.memory:
             return None
-        if not hasattr(press, "chunk_refusal") or press.chunk_refusal(self.windows) is not None:
+        if not hasattr(press, "chunk_refusal") or press.chunk_refusal() is not None:
             return None
         return "new"
 

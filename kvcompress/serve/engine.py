@@ -25,7 +25,6 @@ from kvcompress.serve.metrics import ServerMetrics
 from kvcompress.serve.sampling import StopText, TokenBytes
 from kvcompress.serve.step import compiled_forward, decode_step, warm_up
 from kvcompress.serve.store import COMPRESS_MIN_TOKENS, ContextStore, answer_view, check_compress_min_tokens
-from kvcompress.window import layer_windows
 
 log = logging.getLogger("kvcompress.serve")
 
@@ -64,7 +63,6 @@ class Engine(ContextSource):
         self.context_row_bytes = layers * heads * (2 * head_dim * element + 4)  # K, V, Nystrom weight
         self.full_row_bytes = layers * heads * 2 * head_dim * element  # a context row before compression
         self.repeat_row_bytes = config.hidden_size * element  # a repeated token's hidden state (a repeat pass)
-        self.windows = layer_windows(model)
         self.batch_row_bytes = layers * heads * (2 * head_dim * element + 4)
         self.batch_session_bytes = layers * heads * head_dim * 4 * 2  # clip range, float32
         keep = 1.0 - float(getattr(press, "compression_ratio", 0.0) or 0.0) if press is not None else 1.0

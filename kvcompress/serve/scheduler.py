@@ -19,8 +19,8 @@ pieces (its logits equal the one-shot prefill's to rounding).
 A new context longer than C tokens is read the same way, before its question: C tokens a round, one such request at
 a time (it takes the place of a long question), under the press, which compresses it after its last chunk as one
 call would, a few layers a round after its last chunk (:mod:`kvcompress.context_chunks`; the default press reads its
-sources chunk by chunk, a repeat pass runs layer by layer in those rounds; a kvpress press, or a repeat pass on
-sliding-window layers, reads it in one call). Its uncompressed rows count against the memory budget until then
+sources chunk by chunk, a repeat pass runs in those rounds, layer by layer or, on sliding-window layers, whole in
+the first; a kvpress press reads it in one call). Its uncompressed rows count against the memory budget until then
 (:mod:`kvcompress.serve.memory`). So are the new turns after a stored earlier turn when they are longer than C
 (prefilled exact, as in one call; :mod:`kvcompress.serve.contexts`).
 
