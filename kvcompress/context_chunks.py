@@ -17,8 +17,7 @@ press's. A repeat pass (``"repeat"``: ``thorough()``, ``balanced()``, ``kvzip()`
 after a one-call prefill: layer by layer (:meth:`~kvcompress.repeat_hooks.RepeatPassHooks._repeat_layer_by_layer`),
 each layer compressed before the next is read, or, on a model with sliding-window layers, through the whole model
 before the first layer is compressed. A press reading sampled or all prefill queries at once is refused, and says
-why. Calls after the context (a question, decode steps)
-run as after a one-call prefill.
+why. Calls after the context (a question, decode steps) run as after a one-call prefill.
 
 With ``defer_compression=True`` the last call only records each layer's references: its layers are then compressed
 by :meth:`ContextChunks.compress_next`, a few at a time (a server spreads them over the rounds between decode
@@ -302,8 +301,7 @@ class ContextChunkHooks:
 
     def chunk_refusal(self) -> str | None:
         """Why this press cannot read a context in chunks (:meth:`context_in_chunks`), or None."""
-        sources = self.reference_sources()
-        others = [source for source in sources if source not in CHUNKED_SOURCES]
+        others = [source for source in self.reference_sources() if source not in CHUNKED_SOURCES]
         if others:
             return (f"reads reference={others} (all prefill queries at once); a context read in chunks gives "
                     f"{list(CHUNKED_SOURCES)}")  # fmt: skip

@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "one-part chat message, a pasted document, is all question under --chat-context parts); "
                         "a new context longer than C is read the same way and compressed after its last chunk, "
                         "as one call would compress it, a few layers a round (each round about one chunk's "
-                        "time), under a press that reads its sources chunk by chunk (the "
-                        "default press, and a repeat pass, run layer by layer in those rounds; a kvpress press "
+                        "time), under a press that reads its sources chunk by chunk (the default press; a repeat "
+                        "pass, compresskv_thorough's or _balanced's, runs in those rounds too; a kvpress press "
                         "reads it in one call); smaller: smoother "
                         "streams, larger: long prompts' first tokens sooner and fuller batches (an integer >= 1; "
                         "default 512)")
