@@ -45,6 +45,8 @@ def test_breakdown_covers_every_setting_and_stage(tmp_path: Path) -> None:
     for name in ("none_chunks", "default_chunks"):  # 320 tokens in 4 calls of 80
         assert by_name[name]["repeat_forward_s"] == 0
     assert by_name["default_chunks"]["mass_s"] > 0 and by_name["default_chunks"]["fit_s"] > 0
+    chunked_repeat = by_name["balanced_chunks"]  # the pass after the last of 4 calls
+    assert chunked_repeat["repeat_forward_s"] > 0 and chunked_repeat["mass_s"] > 0 and chunked_repeat["fit_s"] > 0
     assert by_name["none_chunks"]["mass_s"] == by_name["none_chunks"]["fit_s"] == 0
     nofit = by_name["default_nofit"]
     assert by_name["window_nofit"]["fit_s"] == nofit["fit_s"] == 0 < nofit["mass_s"]

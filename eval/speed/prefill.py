@@ -72,6 +72,7 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     # peak without one whole-context forward's activations, but every layer's full rows until the last call
     "none_chunks": dict(chunks_of="none"),
     "default_chunks": dict(chunks_of="default"),
+    "balanced_chunks": dict(chunks_of="balanced"),  # its repeat pass layer by layer after the last call
 }
 TORCH_MASS_MAX = 8192 * 8192  # the chunked torch path is timed on CUDA up to this many query-key pairs (~1 s)
 STAGES = ("forward_s", "repeat_forward_s", "mass_s", "selection_s", "fit_s", "peak_gib")
