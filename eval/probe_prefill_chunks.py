@@ -48,12 +48,10 @@ def one_chunk_size(model, args: argparse.Namespace, chunk: int) -> dict:
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    from kvcompress import CompressKVPress
+    from kvcompress.registry import make_press
 
-    press = None
-    if args.arrives == "context":
-        press = CompressKVPress(compression_ratio=0.75) if args.press == "default" else \
-            getattr(CompressKVPress, args.press)(compression_ratio=0.75)  # fmt: skip
+    method = "compresskv" if args.press == "default" else f"compresskv_{args.press}"
+    press = make_press(method, 0.75) if args.arrives == "context" else None
     engine = Engine(model, SimpleNamespace(eos_token_id=None, decode=lambda ids, skip_special_tokens=True: ""),
                     model_name="m", press=press, press_label=args.press, store=ContextStore(1 << 40),
                     metrics=ServerMetrics(), max_batch=args.sessions + 1, max_queue=args.sessions + 1,

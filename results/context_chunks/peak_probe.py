@@ -34,13 +34,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import DynamicCache
 
-    from kvcompress import CompressKVPress, prefill_in_chunks
+    from kvcompress import prefill_in_chunks
     from kvcompress.models import load_model
+    from kvcompress.registry import make_press
 
     model, _ = load_model()
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    press = CompressKVPress(compression_ratio=0.75) if args.press == "default" else \
-        getattr(CompressKVPress, args.press)(compression_ratio=0.75)  # fmt: skip
+    press = make_press("compresskv" if args.press == "default" else f"compresskv_{args.press}", 0.75)
     with torch.no_grad():
         prefill_in_chunks(model, press, ids[:, :256], 128)  # warm-up: kernels, calibration files, allocator
         before = peak_rss_mib()
